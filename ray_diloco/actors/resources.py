@@ -1,0 +1,339 @@
+"""Layer: actors (Ray shell). Where learner groups and the synchronizer run.
+
+`reserve_learner_group` turns one `LearnerGroupConfig` into a ready placement group with one
+bundle per host: a plain `ray.util.placement_group` for CPU/GPU learners, a
+`ray.util.tpu.SlicePlacementGroup` (one whole slice, gang-scheduled) for TPU learners. Region
+pinning uses the node label `ray.io/availability-region` (set from `RAY_NODE_REGION` when a node
+starts). `host_options` gives the `.options(...)` kwargs that put host actor *i* on bundle *i*;
+for multi-host TPU slices bundle *i* is pinned to `ray.io/tpu-worker-id == i`, so the host index
+is the slice's worker id (the JAX process id). Nothing here decides anything: the supervisor
+calls these functions, and `release` undoes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.tpu import SlicePlacementGroup, get_tpu_worker_resources
+
+from ray_diloco.actors.errors import PlacementTimeoutError
+from ray_diloco.config import LearnerGroupConfig
+
+logger = logging.getLogger(__name__)
+
+LOCAL_REGION = "local"
+REGION_LABEL = "ray.io/availability-region"
+SLICE_LABEL = "ray.io/tpu-slice-name"
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+TOPOLOGY_LABEL = "ray.io/tpu-topology"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+HEAD_RESOURCE = "node:__internal_head__"
+_TPU_VERSIONS = {"tpu-v5p": "v5p", "tpu-v6e": "v6e"}
+# v6e/v5e 2x4 is one 8-chip VM or two 4-chip VMs; Ray cannot tell, we default to the
+# multi-host shape (GKE ct6e-standard-4t, and what the emulated test cluster has).
+_AMBIGUOUS_TOPOLOGIES = {("v6e", "2x4"): 4}
+
+
+@dataclass
+class LearnerPlacement:
+    """A learner group's reservation: the placement group and how to start a host on it."""
+
+    learner: str
+    accelerator: str
+    region: str
+    placement_group: PlacementGroup
+    host_options_list: tuple[dict[str, Any], ...]
+    bundle_resources: dict[str, float]
+    slice_handle: SlicePlacementGroup | None = None  # TPU only; its shutdown() frees everything
+    slice_name: str | None = None  # TPU only, when we chose the slice ourselves (region pin)
+    released: bool = False
+
+    @property
+    def num_hosts(self) -> int:
+        """Hosts actually reserved; for TPUs derived from the topology, not `lg.num_hosts`."""
+        return len(self.host_options_list)
+
+
+def reserve_learner_group(
+    lg: LearnerGroupConfig,
+    *,
+    name_prefix: str = "",
+    detached: bool = False,
+    timeout_s: float = 60.0,
+    emulated: bool = False,
+) -> LearnerPlacement:
+    """Reserve one bundle per host of learner `lg` and wait until all are placed.
+
+    `detached=True` lets the placement group outlive the creating driver (named
+    `<name_prefix>-<learner>`), so a restarted supervisor can find or remove it. `emulated`
+    marks TPU hosts that are CPU stand-ins (tests, laptops): their actors get
+    `JAX_PLATFORMS=cpu`. Raises `PlacementTimeoutError` naming what is missing when the
+    group is not ready within `timeout_s`.
+    """
+    name = f"{name_prefix}-{lg.name}" if name_prefix else lg.name
+    lifetime = "detached" if detached else None
+    deadline = time.monotonic() + timeout_s
+    logger.info(
+        "reserving learner %s: %s, topology %s, region %s", lg.name, lg.accelerator,
+        lg.topology, lg.region,
+    )  # fmt: skip
+    if lg.accelerator in _TPU_VERSIONS:
+        return _reserve_tpu(lg, name, lifetime, deadline, timeout_s, emulated)
+    return _reserve_plain(lg, name, lifetime, deadline, timeout_s)
+
+
+def host_options(placement: LearnerPlacement, host_index: int) -> dict[str, Any]:
+    """Kwargs for `HostActor.options(**host_options(p, i))`: bundle i, its CPUs/chips, env."""
+    opts = dict(placement.host_options_list[host_index])
+    if "resources" in opts:
+        opts["resources"] = dict(opts["resources"])
+    if "runtime_env" in opts:
+        opts["runtime_env"] = {"env_vars": dict(opts["runtime_env"]["env_vars"])}
+    return opts
+
+
+def release(placement: LearnerPlacement) -> None:
+    """Remove the group's placement group(s); safe to call twice or after Ray removed them."""
+    if placement.released:
+        return
+    placement.released = True
+    try:
+        if placement.slice_handle is not None:
+            placement.slice_handle.shutdown()  # worker PG + any head PG, idempotent
+        elif placement_state(placement) != "REMOVED":
+            remove_placement_group(placement.placement_group)
+    except Exception:  # a release must never mask the failure that caused it
+        logger.warning("releasing placement of learner %s failed", placement.learner, exc_info=True)
+
+
+def placement_state(placement: LearnerPlacement) -> str:
+    """GCS state of the group's placement group: PENDING, CREATED, RESCHEDULING, REMOVED...
+
+    RESCHEDULING means a host's node died and Ray waits for a replacement; UNKNOWN when the
+    GCS could not be asked (Ray shut down).
+    """
+    try:
+        table = placement_group_table(placement.placement_group)
+    except Exception:
+        logger.debug("placement_group_table failed for %s", placement.learner, exc_info=True)
+        return "UNKNOWN"
+    return str(table.get("state", "UNKNOWN"))
+
+
+def head_pin_options() -> dict[str, Any]:
+    """Options that pin a (detached) actor to the head node, never onto a learner host."""
+    return {"resources": {HEAD_RESOURCE: 0.001}}
+
+
+def region_options(region: str) -> dict[str, Any]:
+    """Options that place an actor (e.g. the synchronizer) in `region`; {} for "local"."""
+    if region == LOCAL_REGION:
+        return {}
+    return {"label_selector": {REGION_LABEL: region}}
+
+
+def _reserve_plain(
+    lg: LearnerGroupConfig, name: str, lifetime: str | None, deadline: float, timeout_s: float
+) -> LearnerPlacement:
+    bundle = {"CPU": float(lg.cpus_per_host)}
+    if lg.accelerator == "gpu":
+        bundle["GPU"] = 1.0
+    n = lg.num_hosts
+    selector = [{REGION_LABEL: lg.region}] * n if lg.region != LOCAL_REGION else None
+    pg = placement_group(
+        [dict(bundle) for _ in range(n)],
+        strategy="SPREAD" if n > 1 else "PACK",
+        name=name,
+        lifetime=lifetime,
+        bundle_label_selector=selector,
+    )
+    if not _wait_ready(pg, lg.name, deadline):
+        remove_placement_group(pg)  # a pending PG would grab resources later
+        raise PlacementTimeoutError(_timeout_message(lg, timeout_s, n, bundle))
+    env = {"JAX_PLATFORMS": "cpu"} if lg.accelerator == "cpu" else None
+    opts = tuple(_options(pg, i, bundle, env) for i in range(n))
+    return LearnerPlacement(lg.name, lg.accelerator, lg.region, pg, opts, bundle)
+
+
+def _reserve_tpu(
+    lg: LearnerGroupConfig,
+    name: str,
+    lifetime: str | None,
+    deadline: float,
+    timeout_s: float,
+    emulated: bool,
+) -> LearnerPlacement:
+    version = _TPU_VERSIONS[lg.accelerator]
+    topology = (lg.topology or "").strip().lower()
+    chips_per_vm = _chips_per_vm(lg, version, topology)
+    n, bundle = get_tpu_worker_resources(
+        topology, version, resources_per_worker={"CPU": lg.cpus_per_host}, chips_per_vm=chips_per_vm
+    )
+    if n != lg.num_hosts:
+        logger.info("learner %s: topology %s has %d hosts (config num_hosts=%d)",
+                    lg.name, topology, n, lg.num_hosts)  # fmt: skip
+    base = [{WORKER_ID_LABEL: str(i)} if n > 1 else {} for i in range(n)]
+    if lg.region != LOCAL_REGION:
+        base = [{**sel, REGION_LABEL: lg.region} for sel in base]
+    # Ray's head reservation ignores our selectors, so with a region and several hosts we pick
+    # the slice ourselves (named slices skip the head step); PG creation stays all-or-nothing.
+    candidates: list[str | None] = [None]
+    if lg.region != LOCAL_REGION and n > 1:
+        candidates = list(_slices_in_region(version, topology, lg.region, n))
+    for k, slice_name in enumerate(candidates):
+        share = (deadline - time.monotonic()) / (len(candidates) - k)
+        sel = [{**s, SLICE_LABEL: slice_name} for s in base] if slice_name else base
+        handle = _try_slice(lg, version, topology, chips_per_vm, sel, name, lifetime, share)
+        if handle is not None:
+            pg = handle.placement_group
+            assert pg is not None
+            env = {"JAX_PLATFORMS": "cpu"} if emulated else None
+            chips = {"TPU": float(bundle["TPU"])}
+            opts = tuple(_options(pg, i, bundle, env, chips) for i in range(n))
+            return LearnerPlacement(
+                lg.name, lg.accelerator, lg.region, pg, opts, dict(bundle), handle, slice_name
+            )
+    raise PlacementTimeoutError(_timeout_message(lg, timeout_s, n, bundle, version, topology))
+
+
+def _try_slice(
+    lg: LearnerGroupConfig,
+    version: str,
+    topology: str,
+    chips_per_vm: int | None,
+    selectors: list[dict[str, str]],
+    name: str,
+    lifetime: str | None,
+    wait_s: float,
+) -> SlicePlacementGroup | None:
+    started = time.monotonic()
+    try:
+        handle = SlicePlacementGroup(
+            topology=topology,
+            accelerator_version=version,
+            resources_per_bundle={"CPU": lg.cpus_per_host},
+            strategy="SPREAD",
+            name=name,
+            lifetime=lifetime,
+            chips_per_vm=chips_per_vm,
+            head_reservation_timeout_s=max(wait_s, 0.1),
+            bundle_label_selector=[s for s in selectors if s] and selectors or None,
+        )
+    except TimeoutError:  # head PG not placed; Ray already removed the pending head PG
+        logger.info("learner %s: no free %s %s slice head in %.1f s", lg.name, version,
+                    topology, wait_s)  # fmt: skip
+        return None
+    pg = handle.placement_group
+    assert pg is not None
+    if _wait_ready(pg, lg.name, started + wait_s):
+        handle.release_head_pgs()  # the worker PG now holds the slice
+        return handle
+    handle.shutdown()
+    return None
+
+
+def _wait_ready(pg: PlacementGroup, learner: str, deadline: float) -> bool:
+    remaining = max(deadline - time.monotonic(), 0.0)
+    logger.info("waiting up to %.1f s for placement of learner %s", remaining, learner)
+    ready, _ = ray.wait([pg.ready()], timeout=remaining)
+    return bool(ready)
+
+
+def _options(
+    pg: PlacementGroup,
+    index: int,
+    bundle: dict[str, float],
+    env: dict[str, str] | None,
+    resources: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index
+        ),
+        "num_cpus": bundle.get("CPU", 0.0),
+    }
+    if bundle.get("GPU"):
+        opts["num_gpus"] = bundle["GPU"]
+    if resources:
+        opts["resources"] = resources
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
+
+
+def _chips_per_vm(lg: LearnerGroupConfig, version: str, topology: str) -> int | None:
+    """Chips per host: from `num_hosts` when given (> 1), else Ray's rule, except 2x4 v6e."""
+    total = math.prod(int(d) for d in topology.split("x"))
+    if lg.num_hosts > 1:
+        per_host, rest = divmod(total, lg.num_hosts)
+        if rest or per_host not in (1, 2, 4, 8):
+            raise ValueError(
+                f"learner {lg.name!r}: topology {topology} has {total} chips, which does not "
+                f"split into num_hosts={lg.num_hosts} hosts of 1, 2, 4 or 8 chips; fix num_hosts"
+            )
+        return per_host
+    return _AMBIGUOUS_TOPOLOGIES.get((version, topology))
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def _slices_in_region(version: str, topology: str, region: str, num_hosts: int) -> list[str]:
+    """Intact slices (all hosts alive) of this generation and topology in `region`."""
+    accel = f"TPU-{version.upper()}"
+    hosts: dict[str, int] = {}
+    for node in _alive_nodes():
+        labels = node.get("Labels") or {}
+        if (
+            labels.get(ACCELERATOR_LABEL) == accel
+            and labels.get(TOPOLOGY_LABEL) == topology
+            and labels.get(REGION_LABEL) == region
+            and labels.get(SLICE_LABEL)
+        ):
+            hosts[labels[SLICE_LABEL]] = hosts.get(labels[SLICE_LABEL], 0) + 1
+    return sorted(s for s, count in hosts.items() if count >= num_hosts)
+
+
+def _timeout_message(
+    lg: LearnerGroupConfig,
+    timeout_s: float,
+    n: int,
+    bundle: dict[str, float],
+    version: str | None = None,
+    topology: str | None = None,
+) -> str:
+    where = "any region" if lg.region == LOCAL_REGION else f"region {lg.region!r}"
+    nodes = [
+        node
+        for node in _alive_nodes()
+        if lg.region == LOCAL_REGION or (node.get("Labels") or {}).get(REGION_LABEL) == lg.region
+    ]
+    big = [n_ for n_ in nodes if all(n_["Resources"].get(k, 0) >= v for k, v in bundle.items())]
+    need = f"{n} host(s) with {bundle} each in {where}"
+    if version:
+        found = _slices_in_region(version, topology or "", lg.region, n) if lg.region != LOCAL_REGION else []
+        need = (
+            f"one idle, intact TPU-{version.upper()} slice of topology {topology} ({need}); "
+            f"intact slices there: {found or 'none found by label'}"
+        )
+    return (
+        f"learner {lg.name!r} ({lg.accelerator}, topology {lg.topology}, region {lg.region}): "
+        f"placement group not ready after {timeout_s:.1f} s. It needs {need}. "
+        f"The cluster has {len(nodes)} alive node(s) in {where}, {len(big)} of them large "
+        f"enough when idle; cluster-wide available now: {ray.available_resources()}. Add the "
+        "missing nodes/resources (check RAY_NODE_REGION on the hosts), free them, or lower "
+        "num_hosts/cpus_per_host."
+    )

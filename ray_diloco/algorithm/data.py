@@ -1,0 +1,243 @@
+"""Layer: algorithm (pure, no Ray). The byte-level corpus and the deterministic, resumable batch
+stream each learner reads (`batch = next(data)` in algorithm.md section 4; the cursor that a
+restarted learner resumes from the token ledger, section 7).
+
+Default corpus: the Python standard library source of the running interpreter, which exists on
+every machine that can run this code, so a laptop run needs no download. The held-out split is by
+FILE: a file goes to held-out when `zlib.crc32(relpath) % 10_000 < heldout_fraction * 10_000`,
+a rule that depends only on the file's relative path, so every process (and every machine with
+the same files) agrees on the split without coordination, and no held-out file ever leaks into
+training through a neighbouring window. The train stream is cut into one contiguous shard per
+learner; a batch is a pure function of (shard, cursor), so replaying from a saved cursor
+reproduces exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_diloco.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+# Joins documents. NUL never occurs in Python source or ordinary text, so the model can learn it
+# as an unambiguous "document boundary" byte.
+SEPARATOR = 0
+_SPLIT_BUCKETS = 10_000
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_SYNTHETIC_BYTES = 200_000
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Train and held-out byte streams (read-only uint8 arrays) and a one-line description."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    description: str
+
+
+def is_heldout(relpath: str, heldout_fraction: float) -> bool:
+    """The split rule: a stable hash of the relative path, never the file's position."""
+    bucket = zlib.crc32(relpath.encode("utf-8")) % _SPLIT_BUCKETS
+    return bucket < heldout_fraction * _SPLIT_BUCKETS
+
+
+def _stdlib_files() -> list[tuple[str, str]]:
+    """(relpath, abspath) of every *.py in the stdlib, sorted by relpath, without third-party
+    packages (they differ between machines; the stdlib of one Python version does not)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                full = os.path.join(dirpath, name)
+                found.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
+    return sorted(found)
+
+
+def _pattern_base(pattern: str) -> str:
+    """The leading directories of a pattern that contain no glob magic; relpaths are taken from
+    there so the split does not depend on where the corpus is mounted or on the cwd."""
+    parts = pattern.replace(os.sep, "/").split("/")
+    fixed: list[str] = []
+    for part in parts[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return "/".join(fixed) or "."
+
+
+def _expand_paths(paths: tuple[str, ...]) -> list[tuple[str, str]]:
+    files: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for pattern in paths:
+        pattern = os.path.expanduser(pattern)
+        if os.path.isdir(pattern):
+            raise ValueError(
+                f"data.paths: {pattern!r} is a directory; give files or a glob pattern such as "
+                f"'{pattern.rstrip('/')}/**/*.txt'"
+            )
+        matches = sorted(m for m in glob.glob(pattern, recursive=True) if not os.path.isdir(m))
+        if not matches:
+            raise ValueError(
+                f"data.paths: {pattern!r} matches no file (cwd {os.getcwd()}); fix the path or "
+                "glob pattern (use '**' for recursion), or leave data.paths empty for the "
+                "Python stdlib corpus"
+            )
+        base = _pattern_base(pattern)
+        for m in matches:
+            full = os.path.abspath(m)
+            if full not in seen:
+                seen.add(full)
+                files.append((os.path.relpath(m, base).replace(os.sep, "/"), full))
+    return files
+
+
+def _read_documents(files: list[tuple[str, str]], max_bytes: int) -> list[tuple[str, bytes]]:
+    """Read files in order until `max_bytes` (separators included) are collected."""
+    docs: list[tuple[str, bytes]] = []
+    total = 0
+    for rel, full in files:
+        room = max_bytes - total - 1  # leave room for this document's separator
+        if room <= 0:
+            break
+        try:
+            with open(full, "rb") as fh:
+                data = fh.read(room)
+        except OSError as err:
+            raise ValueError(
+                f"data.paths: cannot read {full!r} ({err.strerror}); fix its permissions or "
+                "remove it from data.paths"
+            ) from err
+        docs.append((rel, data))
+        total += len(data) + 1
+    return docs
+
+
+def _synthetic_documents(seed: int, max_bytes: int) -> list[tuple[str, bytes]]:
+    """A seeded word-level Markov text: 48 made-up words, each followed by one of 3 successors.
+    Local structure (spelling) is learnt in a few dozen steps, longer structure more slowly, so
+    loss curves are informative in unit tests."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    words = [bytes(rng.choice(letters, size=rng.integers(2, 7))) for _ in range(48)]
+    successors = rng.integers(0, len(words), size=(len(words), 3))
+    docs: list[tuple[str, bytes]] = []
+    total, w = 0, 0
+    limit = min(_SYNTHETIC_BYTES, max_bytes)
+    while total < limit - 1:
+        out: list[bytes] = []
+        for _ in range(int(rng.integers(100, 300))):
+            out.append(words[w])
+            w = int(successors[w, rng.integers(0, 3)])
+            out.append(b".\n" if rng.random() < 0.1 else b" ")
+        text = b"".join(out)[: limit - total - 1]
+        docs.append((f"synthetic/{len(docs):05d}", text))
+        total += len(text) + 1
+    return docs
+
+
+def _join(docs: list[tuple[str, bytes]]) -> np.ndarray:
+    if not docs:
+        return np.zeros(0, dtype=np.uint8)
+    sep = bytes([SEPARATOR])
+    arr = np.frombuffer(sep.join(d for _, d in docs) + sep, dtype=np.uint8).copy()
+    arr.setflags(write=False)  # cached and shared: nobody may modify it in place
+    return arr
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+    """Load the corpus described by `cfg` (read once per process, then cached).
+
+    `seed` only shapes the synthetic source; the file split never depends on it, so runs with
+    different seeds evaluate on the same held-out files."""
+    if cfg.source == "synthetic":
+        docs = _synthetic_documents(seed, cfg.max_corpus_bytes)
+        what = f"synthetic Markov text (seed {seed})"
+    else:
+        files = _expand_paths(cfg.paths) if cfg.paths else _stdlib_files()
+        where = ", ".join(cfg.paths) if cfg.paths else sysconfig.get_paths()["stdlib"]
+        docs = _read_documents(files, cfg.max_corpus_bytes)
+        what = f"files from {where}"
+    if len(docs) < 2:
+        raise ValueError(
+            f"data: {what} gives {len(docs)} document(s); the train/held-out split is by file "
+            "and needs at least 2; add files to data.paths or raise data.max_corpus_bytes"
+        )
+    train = [d for d in docs if not is_heldout(d[0], cfg.heldout_fraction)]
+    heldout = [d for d in docs if is_heldout(d[0], cfg.heldout_fraction)]
+    if not heldout:  # too few files for the hash to pick one: take the last, deterministically
+        heldout, train = [train[-1]], train[:-1]
+    if not train:
+        train, heldout = [heldout[0]], heldout[1:]
+    train_bytes, heldout_bytes = _join(train), _join(heldout)
+    description = (
+        f"{what}: {len(train)} train docs ({train_bytes.size:,} bytes), "
+        f"{len(heldout)} held-out docs ({heldout_bytes.size:,} bytes)"
+    )
+    log.info("corpus: %s", description)
+    return Corpus(train_bytes, heldout_bytes, description)
+
+
+def shard_bounds(num_train_tokens: int, learner_index: int, num_learners: int) -> tuple[int, int]:
+    """The contiguous [start, end) slice of the train stream owned by one learner."""
+    if not 0 <= learner_index < num_learners:
+        raise ValueError(f"shard_bounds: learner_index {learner_index} not in [0, {num_learners})")
+    start = num_train_tokens * learner_index // num_learners
+    end = num_train_tokens * (learner_index + 1) // num_learners
+    return start, end
+
+
+def _windows(
+    stream: np.ndarray, lo: int, length: int, starts: np.ndarray, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    # Windows of seq_len + 1 bytes wrapping inside [lo, lo + length): x and y overlap by T bytes.
+    idx = lo + (starts[:, None] + np.arange(seq_len + 1)[None, :]) % length
+    window = stream[idx].astype(np.int32)
+    return window[:, :-1], window[:, 1:]
+
+
+def batch_at(
+    train: np.ndarray, bounds: tuple[int, int], cursor: int, batch_size: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Batch number `cursor // (batch_size * seq_len)` of a shard: x, y int32[B, T] and the next
+    cursor. Sequence b starts at shard offset (cursor + b*T) mod shard_len; a pure function of
+    its arguments, so resuming from a saved cursor replays the exact same stream."""
+    start, end = bounds
+    length = end - start
+    if length < seq_len + 1:
+        raise ValueError(
+            f"batch_at: shard [{start}, {end}) has {length} bytes, fewer than seq_len + 1 = "
+            f"{seq_len + 1}; use fewer learners, a shorter seq_len or a bigger corpus"
+        )
+    starts = (cursor + np.arange(batch_size, dtype=np.int64) * seq_len) % length
+    x, y = _windows(train, start, length, starts, seq_len)
+    return x, y, cursor + batch_size * seq_len
+
+
+def heldout_batches(
+    corpus: Corpus, cfg: DataConfig, seq_len: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`cfg.eval_batches` batches of `cfg.eval_batch_size` windows at fixed, evenly spaced
+    offsets of the held-out stream: the same evaluation set in every process and every run."""
+    stream = corpus.heldout
+    if stream.size < 2:
+        raise ValueError("heldout_batches: held-out stream has fewer than 2 bytes")
+    count = cfg.eval_batches * cfg.eval_batch_size
+    # Spread over the positions where a full window fits; wrap only if the stream is shorter.
+    span = max(stream.size - seq_len, 1)
+    starts = np.arange(count, dtype=np.int64) * span // count
+    x, y = _windows(stream, 0, stream.size, starts, seq_len)
+    b = cfg.eval_batch_size
+    return [(x[i : i + b], y[i : i + b]) for i in range(0, count, b)]

@@ -1,0 +1,159 @@
+"""Layer: algorithm (pure, no Ray). One learner's state and loop body (algorithm.md section 4).
+
+Holds the local parameters, the inner optimizer state, the data cursor, the per-fragment
+counters and the base version (and its published value) of every fragment. The caller owns
+time and transport: it calls `train_step`, sends what `offers` returns, and hands published
+fragments to `apply` at step boundaries. The in-process reference run and the Ray learner
+actor both drive this class.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ray_diloco.algorithm import data, inner, wire
+from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
+from ray_diloco.algorithm.rounds import ContributionMeta
+from ray_diloco.config import LearnerGroupConfig, RunConfig
+
+logger = logging.getLogger(__name__)
+
+Snapshot = Mapping[int, tuple[int, Mapping[str, np.ndarray]]]
+
+
+def total_inner_steps(cfg: RunConfig, batch_size: int) -> int:
+    """Inner steps this learner takes if every learner shares the token budget by batch size;
+    the length of its learning-rate schedule."""
+    total_batch = sum(lg.batch_size for lg in cfg.learners)
+    return max(1, cfg.token_budget // (total_batch * cfg.model.seq_len))
+
+
+class LearnerCore:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        learner: LearnerGroupConfig,
+        plan: FragmentPlan,
+        snapshot: Snapshot,
+        train_tokens: np.ndarray,
+        *,
+        incarnation: int = 0,
+        cursor: int = 0,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        total_steps: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.name = learner.name
+        self.batch_size = learner.batch_size
+        self.incarnation = incarnation
+        self.plan = plan
+        self.train_tokens = train_tokens
+        self.bounds = data.shard_bounds(len(train_tokens), shard_index, num_shards)
+        self.tokens_per_step = learner.batch_size * cfg.model.seq_len
+        steps = total_steps or total_inner_steps(cfg, learner.batch_size)
+        self.tx = inner.make_inner_optimizer(cfg.inner, steps)
+        self.step_fn = inner.make_train_step(cfg.model, self.tx)
+        self.cursor = cursor
+        # A restarted learner continues its schedule where its data cursor says it was.
+        self.step = cursor // self.tokens_per_step
+        num_fragments = plan.num_fragments
+        self.base_version = [0] * num_fragments
+        self.base_values: list[dict[str, np.ndarray]] = [{} for _ in range(num_fragments)]
+        self.steps_since = [0] * num_fragments  # inner steps since fragment p was received
+        self.tokens_since = [0] * num_fragments
+        self.params: dict[str, jax.Array] = {}
+        self.adopt(snapshot)
+        self.opt_state = self._fresh_opt_state()
+        self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
+
+    def _fresh_opt_state(self) -> Any:
+        state = self.tx.init(self.params)
+        if self.step:
+            # Move every step count (the schedule's and Adam's) to where this learner stands.
+            state = optax.tree_utils.tree_set(state, count=jnp.asarray(self.step, jnp.int32))
+        return state
+
+    # -- adopting global fragments ------------------------------------------------------------
+
+    def adopt(self, snapshot: Snapshot) -> None:
+        """Take the published version of every fragment (start or reintegration, section 7)."""
+        for p, (version, values) in snapshot.items():
+            self._overwrite(p, version, values, alpha=0.0)
+
+    def apply(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> bool:
+        """Mix a newly published fragment in at a step boundary; older versions are ignored."""
+        if version <= self.base_version[fragment]:
+            return False
+        self._overwrite(fragment, version, values, alpha=self.cfg.diloco.mixing_alpha)
+        self.outstanding.pop(fragment, None)
+        return True
+
+    def _overwrite(
+        self, p: int, version: int, values: Mapping[str, np.ndarray], alpha: float
+    ) -> None:
+        host = {k: np.asarray(values[k], np.float32) for k in self.plan.fragments[p]}
+        for k, g in host.items():
+            if alpha and k in self.params:
+                self.params[k] = alpha * self.params[k] + (1 - alpha) * jnp.asarray(g)
+            else:
+                self.params[k] = jnp.asarray(g)
+        # Decision (algorithm.md section 4): the inner optimizer state is kept.
+        self.base_values[p] = host
+        self.base_version[p] = version
+        self.steps_since[p] = 0
+        self.tokens_since[p] = 0
+
+    # -- the inner loop -----------------------------------------------------------------------
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        x, y, _ = data.batch_at(
+            self.train_tokens, self.bounds, self.cursor, self.batch_size, self.cfg.model.seq_len
+        )
+        return x, y
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+        self.params, self.opt_state, loss = self.step_fn(self.params, self.opt_state, x, y)
+        self.step += 1
+        self.cursor += self.tokens_per_step
+        for p in range(self.plan.num_fragments):
+            self.steps_since[p] += 1
+            self.tokens_since[p] += self.tokens_per_step
+        return float(loss)
+
+    def blocked_on(self) -> list[int]:
+        """Synchronous mode: fragments offered `overlap_steps` ago whose new version has not
+        arrived yet; the learner must wait for them before its next step."""
+        tau = self.cfg.diloco.overlap_steps
+        return [p for p, (at, _) in self.outstanding.items() if self.step - at >= tau]
+
+    def offers(self) -> list[tuple[ContributionMeta, dict[str, wire.Encoded]]]:
+        """Contributions due at the current step: the host copy of each due fragment, sent as
+        its delta to the base version's published value in the configured wire dtype."""
+        d = self.cfg.diloco
+        out = []
+        for p in due_fragments(self.step, d.sync_every, d.num_fragments):
+            base = self.base_values[p]
+            delta = {k: np.asarray(self.params[k], np.float32) - base[k] for k in base}
+            meta = ContributionMeta(
+                learner=self.name,
+                incarnation=self.incarnation,
+                fragment=p,
+                base_version=self.base_version[p],
+                step=self.step,
+                num_steps=self.steps_since[p],
+                num_tokens=self.tokens_since[p],
+            )
+            if not all(np.isfinite(v).all() for v in delta.values()):
+                logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
+                continue
+            out.append((meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)))
+            self.outstanding[p] = (self.step, self.base_version[p])
+        return out

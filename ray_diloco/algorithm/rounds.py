@@ -1,0 +1,353 @@
+"""Layer: algorithm (pure, no Ray, no arrays). The synchronizer's round state machine.
+
+This is where the quorum rule lives (algorithm.md section 5) together with membership,
+fencing and the numerical guards (section 7). Each fragment has its own sequence of rounds;
+round n of fragment p produces version n+1 of G_p. The machine never touches parameters: a
+contribution carries an opaque `payload` handle that comes back, untouched, in the
+`RoundClose` that tells the caller what to merge. Time comes from the caller (`now` arguments),
+so the in-process reference run, the Ray synchronizer and the goodput simulator all drive the
+same rules on their own clocks.
+
+A round of fragment p closes when both hold:
+  1. at least `quorum_min` (K) distinct learners are pending for p, and
+  2. the grace window has expired, or every live learner is pending.
+The grace window is fixed when the quorum is reached:
+  grace = min(grace_max_s, grace_fraction * max(0, overlap_steps * step_time
+                                                  - (quorum_wait + sync_time)))
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_diloco.config import DilocoConfig, SynchronizerConfig
+
+NORM_HISTORY = 32  # accepted outer-gradient norms kept per fragment for the running median
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """The knobs the state machine reads; `from_config` applies the mode's semantics."""
+
+    quorum_min: int
+    grace_fraction: float
+    grace_max_s: float
+    overlap_steps: int
+    late_policy: str
+    max_staleness_versions: int
+    norm_guard: float
+    norm_guard_warmup_rounds: int
+    heartbeat_timeout_s: float
+    step_time_ema: float
+
+    @classmethod
+    def from_config(
+        cls, diloco: DilocoConfig, sync: SynchronizerConfig, num_learners: int
+    ) -> RoundPolicy:
+        # Synchronous mode (algorithm.md section 8): K = M and no grace, i.e. a barrier.
+        synchronous = diloco.mode == "synchronous"
+        return cls(
+            quorum_min=num_learners if synchronous else diloco.quorum_min,
+            grace_fraction=0.0 if synchronous else diloco.grace_fraction,
+            grace_max_s=0.0 if synchronous else diloco.grace_max_s,
+            overlap_steps=diloco.overlap_steps,
+            late_policy=diloco.late_policy,
+            max_staleness_versions=diloco.max_staleness_versions,
+            norm_guard=diloco.norm_guard,
+            norm_guard_warmup_rounds=diloco.norm_guard_warmup_rounds,
+            heartbeat_timeout_s=sync.heartbeat_timeout_s,
+            step_time_ema=sync.step_time_ema,
+        )
+
+
+@dataclass(frozen=True)
+class ContributionMeta:
+    """What a learner says about one fragment it offers (algorithm.md section 4)."""
+
+    learner: str
+    incarnation: int
+    fragment: int
+    base_version: int
+    step: int
+    num_steps: int
+    num_tokens: int
+
+
+class Verdict(enum.StrEnum):
+    ACCEPTED = "accepted"
+    UNKNOWN_LEARNER = "unknown_learner"
+    OLD_INCARNATION = "old_incarnation"
+    STALE_VERSION = "stale_version"
+    FUTURE_VERSION = "future_version"
+    EMPTY = "empty"
+    NON_FINITE = "non_finite"
+    NORM_OUTLIER = "norm_outlier"
+    MALFORMED = "malformed"
+
+
+@dataclass
+class Pending:
+    """One learner's entry in a fragment's pending set. Counters may absorb a replaced entry."""
+
+    meta: ContributionMeta
+    num_steps: int
+    num_tokens: int
+    arrived_s: float
+    payload: Any
+
+
+@dataclass(frozen=True)
+class RoundClose:
+    """A decision: merge these contributions into fragment `fragment`, producing `version`."""
+
+    fragment: int
+    version: int
+    contributions: tuple[Pending, ...]
+    staleness: tuple[int, ...]
+    opened_s: float
+    quorum_s: float
+    grace_s: float
+    closed_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.contributions)
+
+
+@dataclass
+class _FragmentState:
+    version: int = 0
+    pending: dict[str, Pending] = field(default_factory=dict)
+    opened_s: float | None = None
+    quorum_s: float | None = None
+    grace_s: float = 0.0
+    merging: bool = False
+    norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
+
+
+@dataclass
+class _Member:
+    incarnation: int
+    last_seen_s: float
+    step_time_s: float | None = None
+    active: bool = True
+
+
+class RoundBook:
+    """Pending sets, quorum and grace per fragment, plus membership and fencing."""
+
+    def __init__(self, policy: RoundPolicy, num_fragments: int, sync_time_s: float = 0.0) -> None:
+        self.policy = policy
+        self.fragments = [_FragmentState() for _ in range(num_fragments)]
+        self.members: dict[str, _Member] = {}
+        self.sync_time_s = sync_time_s  # EMA of merge + publish time
+
+    # -- membership (section 7) -------------------------------------------------------------
+
+    def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
+        """Admit `incarnation` of `learner`, fencing older ones. Returns the versions to adopt."""
+        old = self.members.get(learner)
+        if old is not None and incarnation < old.incarnation:
+            raise ValueError(
+                f"learner {learner!r}: incarnation {incarnation} is older than the registered "
+                f"{old.incarnation}; a restarted learner must use a higher incarnation"
+            )
+        self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
+        return self.versions()
+
+    def heartbeat(
+        self, learner: str, incarnation: int, now: float, step_time_s: float | None
+    ) -> bool:
+        """Record a progress report. Returns False when the report comes from a fenced process."""
+        m = self.members.get(learner)
+        if m is None or m.incarnation != incarnation or not m.active:
+            return False
+        m.last_seen_s = now
+        if step_time_s is not None and step_time_s > 0:
+            a = self.policy.step_time_ema
+            m.step_time_s = (
+                step_time_s
+                if m.step_time_s is None
+                else (a * step_time_s + (1 - a) * m.step_time_s)
+            )
+        return True
+
+    def retire(self, learner: str) -> None:
+        """A learner that finished or was given up no longer counts as live."""
+        if learner in self.members:
+            self.members[learner].active = False
+
+    def live(self, now: float) -> set[str]:
+        horizon = now - self.policy.heartbeat_timeout_s
+        return {n for n, m in self.members.items() if m.active and m.last_seen_s >= horizon}
+
+    def versions(self) -> dict[int, int]:
+        return {p: f.version for p, f in enumerate(self.fragments)}
+
+    def slowest_step_time(self, now: float) -> float:
+        live = self.live(now)
+        times = [
+            m.step_time_s
+            for n, m in self.members.items()
+            if n in live and m.step_time_s is not None
+        ]
+        return max(times, default=0.0)
+
+    # -- contributions (sections 5 and 7) ---------------------------------------------------
+
+    def offer(
+        self,
+        meta: ContributionMeta,
+        now: float,
+        *,
+        finite: bool = True,
+        outer_grad_norm: float | None = None,
+        payload: Any = None,
+    ) -> Verdict:
+        """Fence and guard a contribution, then add it to its fragment's pending set."""
+        verdict = self._check(meta, finite, outer_grad_norm)
+        if verdict is not Verdict.ACCEPTED:
+            return verdict
+        frag = self.fragments[meta.fragment]
+        if outer_grad_norm is not None:
+            frag.norms.append(outer_grad_norm)
+        steps, tokens = meta.num_steps, meta.num_tokens
+        old = frag.pending.get(meta.learner)
+        if old is not None and old.meta.base_version < meta.base_version:
+            # The learner's counters restart when it adopts a new version, so work in an entry
+            # based on an older version is not inside the newer counters: add it, or it is lost.
+            # With equal bases the newer counters already include the older entry's work.
+            steps += old.num_steps
+            tokens += old.num_tokens
+        frag.pending[meta.learner] = Pending(meta, steps, tokens, now, payload)
+        if frag.opened_s is None:
+            frag.opened_s = now
+        self._maybe_reach_quorum(frag, now)
+        return Verdict.ACCEPTED
+
+    def _check(self, meta: ContributionMeta, finite: bool, norm: float | None) -> Verdict:
+        m = self.members.get(meta.learner)
+        if m is None:
+            return Verdict.UNKNOWN_LEARNER
+        if meta.incarnation != m.incarnation:
+            return Verdict.OLD_INCARNATION
+        frag = self.fragments[meta.fragment]
+        if meta.base_version > frag.version:
+            return Verdict.FUTURE_VERSION
+        if frag.version - meta.base_version > self.policy.max_staleness_versions:
+            return Verdict.STALE_VERSION
+        if meta.num_steps <= 0 or meta.num_tokens <= 0:
+            return Verdict.EMPTY
+        if not finite or (norm is not None and norm != norm):
+            return Verdict.NON_FINITE
+        if norm is not None and len(frag.norms) >= max(1, self.policy.norm_guard_warmup_rounds):
+            median = statistics.median(frag.norms)
+            if median > 0 and norm > self.policy.norm_guard * median:
+                return Verdict.NORM_OUTLIER
+        return Verdict.ACCEPTED
+
+    def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
+        if frag.quorum_s is not None or len(frag.pending) < self.policy.quorum_min:
+            return
+        frag.quorum_s = now
+        assert frag.opened_s is not None
+        quorum_wait = now - frag.opened_s
+        slack = self.policy.overlap_steps * self.slowest_step_time(now) - (
+            quorum_wait + self.sync_time_s
+        )
+        frag.grace_s = min(self.policy.grace_max_s, self.policy.grace_fraction * max(0.0, slack))
+
+    # -- closing rounds ---------------------------------------------------------------------
+
+    def poll(self, now: float) -> list[RoundClose]:
+        """Close every round whose quorum is met and whose grace window is over (or moot)."""
+        live = self.live(now)
+        closes = []
+        for p, frag in enumerate(self.fragments):
+            if frag.merging or frag.quorum_s is None:
+                continue
+            everyone_in = live <= frag.pending.keys()
+            if everyone_in or now >= frag.quorum_s + frag.grace_s:
+                closes.append(self._close(p, frag, now))
+        return closes
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a grace window expires: when the caller should poll next."""
+        deadlines = [
+            f.quorum_s + f.grace_s
+            for f in self.fragments
+            if f.quorum_s is not None and not f.merging
+        ]
+        return min(deadlines, default=None)
+
+    def _close(self, p: int, frag: _FragmentState, now: float) -> RoundClose:
+        entries = tuple(sorted(frag.pending.values(), key=lambda e: e.meta.learner))
+        assert frag.opened_s is not None and frag.quorum_s is not None
+        close = RoundClose(
+            fragment=p,
+            version=frag.version + 1,
+            contributions=entries,
+            staleness=tuple(frag.version - e.meta.base_version for e in entries),
+            opened_s=frag.opened_s,
+            quorum_s=frag.quorum_s,
+            grace_s=frag.grace_s,
+            closed_s=now,
+        )
+        frag.pending = {}
+        frag.opened_s = frag.quorum_s = None
+        frag.grace_s = 0.0
+        frag.merging = True
+        return close
+
+    def commit(self, close: RoundClose, sync_time_s: float, now: float) -> int:
+        """The caller merged and published `close`: bump the version and learn the sync time."""
+        frag = self.fragments[close.fragment]
+        frag.version = close.version
+        frag.merging = False
+        a = self.policy.step_time_ema
+        self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
+        if self.policy.late_policy == "drop":
+            # Contributions that arrived while their round was merging are late: drop them.
+            kept = {k: e for k, e in frag.pending.items() if e.meta.base_version >= frag.version}
+            if len(kept) != len(frag.pending):
+                frag.pending = kept
+                frag.opened_s = min((e.arrived_s for e in kept.values()), default=None)
+                frag.quorum_s = None
+        self._maybe_reach_quorum(frag, now)
+        return frag.version
+
+    def abort(self, close: RoundClose, now: float) -> None:
+        """Merging failed: put the contributions back so no work is forgotten."""
+        frag = self.fragments[close.fragment]
+        frag.merging = False
+        for e in close.contributions:
+            frag.pending.setdefault(e.meta.learner, e)
+        if frag.pending and frag.opened_s is None:
+            frag.opened_s = close.opened_s
+        self._maybe_reach_quorum(frag, now)
+
+    # -- checkpointing ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What survives a synchronizer restart: versions, norm history, learned sync time.
+        Pending sets are not kept: their payloads live in memory and learners resend."""
+        return {
+            "versions": [f.version for f in self.fragments],
+            "norms": [list(f.norms) for f in self.fragments],
+            "sync_time_s": self.sync_time_s,
+            "incarnations": {n: m.incarnation for n, m in self.members.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], now: float) -> None:
+        for frag, v, norms in zip(self.fragments, state["versions"], state["norms"], strict=True):
+            frag.version = int(v)
+            frag.norms.extend(float(x) for x in norms)
+        self.sync_time_s = float(state["sync_time_s"])
+        # Remember incarnations so a process from before the restart stays fenced; it must
+        # re-register (with the same or a newer incarnation) before it counts as live again.
+        for name, inc in state["incarnations"].items():
+            self.members[name] = _Member(incarnation=int(inc), last_seen_s=now, active=False)

@@ -1,0 +1,286 @@
+"""Layer: algorithm (pure, no Ray). The reference run: M learners and the synchronizer in one
+process on a virtual clock (algorithm.md sections 4 to 8).
+
+Every learner step takes `step_time_s / speed` virtual seconds (times `1 + jitter * N(0, 1)`),
+transfers take what the region's emulated link would take, and merges take `sync_time_s`. The
+learners and the synchronizer are the same `LearnerCore` and `SynchronizerCore` the Ray actors
+wrap, so this run is the oracle for the Ray runs. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ray_diloco.algorithm import data, inner, model
+from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments, sizes_of
+from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.sync_core import SynchronizerCore
+from ray_diloco.algorithm.wire import decode_tree
+from ray_diloco.config import LearnerGroupConfig, RunConfig
+
+Progress = Callable[[dict[str, Any]], None]
+NUM_EVALS = 10  # held-out evaluations of the global parameters over a run
+
+
+@dataclass
+class Setup:
+    """What every run of a config shares: data, initial parameters, fragments, evaluation."""
+
+    cfg: RunConfig
+    corpus: data.Corpus
+    init: dict[str, Any]
+    plan: FragmentPlan
+    eval_fn: Callable[..., Any]
+    heldout: list[tuple[np.ndarray, np.ndarray]]
+
+    @classmethod
+    def build(cls, cfg: RunConfig) -> Setup:
+        corpus = data.load_corpus(cfg.data, cfg.seed)
+        init = model.init_params(cfg.model, cfg.seed)
+        embedding = [k for k in init if model.is_embedding(k)]
+        plan = plan_fragments(sizes_of(init), cfg.diloco.num_fragments, embedding)
+        heldout = data.heldout_batches(corpus, cfg.data, cfg.model.seq_len)
+        return cls(cfg, corpus, init, plan, inner.make_eval_fn(cfg.model), heldout)
+
+    def evaluate(self, params: dict[str, Any]) -> float:
+        return inner.evaluate(self.eval_fn, params, self.heldout)
+
+    def param_bytes(self) -> int:
+        return 4 * model.num_params(self.init)
+
+
+def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:
+    """Time an emulated WAN link takes to carry `nbytes` (0 for regions without a link)."""
+    link = cfg.links.get(region)
+    if link is None:
+        return 0.0
+    return nbytes * 8 / (link.bandwidth_gbps * 1e9) + link.latency_ms / 1e3
+
+
+class StepClock:
+    """Seeded per-learner step durations: `step_time_s / speed`, with relative jitter."""
+
+    def __init__(self, cfg: RunConfig, lg: LearnerGroupConfig, index: int) -> None:
+        self.base = cfg.step_time_s / lg.speed
+        self.jitter = lg.jitter
+        self.rng = np.random.default_rng([cfg.seed, index])
+
+    def next(self) -> float:
+        noise = self.rng.standard_normal() * self.jitter if self.jitter else 0.0
+        return self.base * max(0.1, 1.0 + noise)
+
+
+@dataclass
+class _Sim:
+    """The virtual-clock event loop shared by the DiLoCo modes."""
+
+    setup: Setup
+    progress: Progress | None
+    queue: list[tuple[float, int, str, Any]] = field(default_factory=list)
+    seq: itertools.count = field(default_factory=itertools.count)
+    evals: list[dict[str, float]] = field(default_factory=list)
+
+    def push(self, t: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self.queue, (t, next(self.seq), kind, payload))
+
+    def eval_point(self, t: float, tokens: int, params: dict[str, Any], **extra: Any) -> None:
+        point = {"t": t, "tokens": tokens, "heldout_loss": self.setup.evaluate(params), **extra}
+        self.evals.append(point)
+        if self.progress:
+            self.progress(point)
+
+
+def run_reference(
+    cfg: RunConfig, progress: Progress | None = None, setup: Setup | None = None
+) -> dict[str, Any]:
+    """Run `cfg` in process and return its summary (see `summarize`)."""
+    setup = setup or Setup.build(cfg)
+    if cfg.diloco.mode == "data_parallel":
+        return _run_data_parallel(setup, progress)
+    return _run_diloco(setup, progress)
+
+
+def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
+    cfg = setup.cfg
+    sim = _Sim(setup, progress)
+    sync = SynchronizerCore(cfg, setup.plan, setup.init)
+    snapshot = sync.snapshot()
+    learners = [
+        LearnerCore(
+            cfg,
+            lg,
+            setup.plan,
+            snapshot,
+            setup.corpus.train,
+            shard_index=i,
+            num_shards=cfg.num_learners,
+        )
+        for i, lg in enumerate(cfg.learners)
+    ]
+    clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
+    inbox: list[list[tuple[int, int, Any]]] = [[] for _ in learners]
+    blocked = [False] * len(learners)
+    last_step_s = [0.0] * len(learners)
+    polls: set[float] = set()
+    for i, lg in enumerate(cfg.learners):
+        sync.register(lg.name, 0, 0.0)
+        dt = clocks[i].next()
+        sim.push(dt, "step", (i, dt))
+    next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
+    now = 0.0
+
+    def close_rounds(t: float) -> None:
+        for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
+            for j, lg in enumerate(cfg.learners):
+                arrive = t + pub.sync_time_s + link_seconds(cfg, lg.region, pub.nbytes)
+                sync.sent(lg.name, pub.nbytes)
+                sim.push(arrive, "publish", (j, pub.fragment, pub.version, pub.encoded))
+        deadline = sync.book.next_deadline()
+        if deadline is not None and deadline > t and deadline not in polls:
+            polls.add(deadline)
+            sim.push(deadline, "poll", None)
+
+    def step_boundary(i: int, t: float) -> None:
+        core = learners[i]
+        for frag, version, encoded in inbox[i]:
+            core.apply(frag, version, decode_tree(encoded))
+        inbox[i].clear()
+        if cfg.diloco.mode == "synchronous" and core.blocked_on():
+            blocked[i] = True
+            return
+        blocked[i] = False
+        dt = clocks[i].next()
+        sim.push(t + dt, "step", (i, dt))
+
+    while sim.queue and sync.ledger.tokens_trained < cfg.token_budget:
+        now, _, kind, payload = heapq.heappop(sim.queue)
+        if kind == "step":
+            i, dt = payload
+            core, lg = learners[i], cfg.learners[i]
+            core.train_step(*core.next_batch())
+            last_step_s[i] = dt
+            sync.report(lg.name, core.incarnation, now, dt, core.cursor)
+            for meta, delta in core.offers():
+                nbytes = sum(e.nbytes for e in delta.values())
+                sim.push(now + link_seconds(cfg, lg.region, nbytes), "arrive", (meta, delta))
+            step_boundary(i, now)
+        elif kind == "arrive":
+            meta, delta = payload
+            sync.offer(meta, delta, now)
+            close_rounds(now)
+        elif kind == "poll":
+            polls.discard(now)
+            close_rounds(now)
+        elif kind == "publish":
+            j, frag, version, encoded = payload
+            inbox[j].append((frag, version, encoded))
+            if blocked[j]:
+                step_boundary(j, now)
+        tokens = sync.ledger.tokens_trained
+        if tokens >= next_eval:
+            sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
+            next_eval += eval_every
+    sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
+    return summarize_diloco(setup, sync, learners, sim.evals, now)
+
+
+def _rounds(sync: SynchronizerCore) -> int:
+    return sum(sync.book.versions().values())
+
+
+def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any]:
+    """One learner spanning all hosts: every step waits for the slowest host, then all-reduces
+    the gradients (2 x parameter bytes per host per step, ring all-reduce)."""
+    cfg = setup.cfg
+    sim = _Sim(setup, progress)
+    whole = LearnerGroupConfig(
+        name="data_parallel", batch_size=sum(lg.batch_size for lg in cfg.learners)
+    )
+    core = LearnerCore(
+        cfg,
+        whole,
+        setup.plan,
+        _full_snapshot(setup),
+        setup.corpus.train,
+    )
+    clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
+    allreduce_bytes = 2 * setup.param_bytes()
+    comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
+    now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // NUM_EVALS)
+    while core.cursor < cfg.token_budget:
+        core.train_step(*core.next_batch())
+        now += max(c.next() for c in clocks) + comm
+        if core.cursor >= next_eval:
+            sim.eval_point(now, core.cursor, core.params)
+            next_eval += eval_every
+    sim.eval_point(now, core.cursor, core.params)
+    link_bytes = core.step * allreduce_bytes * cfg.num_learners
+    return {
+        **_common_summary(setup, sim.evals, now),
+        "tokens": core.cursor,
+        "inner_steps": core.step,
+        "bytes_total": link_bytes,
+        "bytes_per_token": link_bytes / core.cursor,
+        "dp_bytes_per_token": link_bytes / core.cursor,
+    }
+
+
+def _full_snapshot(setup: Setup) -> dict[int, tuple[int, dict[str, Any]]]:
+    return {
+        p: (0, {k: np.asarray(setup.init[k]) for k in paths})
+        for p, paths in enumerate(setup.plan.fragments)
+    }
+
+
+def _common_summary(setup: Setup, evals: list[dict[str, float]], now: float) -> dict[str, Any]:
+    cfg = setup.cfg
+    return {
+        "mode": cfg.diloco.mode,
+        "heldout_loss": evals[-1]["heldout_loss"],
+        "virtual_time_s": now,
+        "num_params": model.num_params(setup.init),
+        "evals": evals,
+    }
+
+
+def summarize_diloco(
+    setup: Setup,
+    sync: SynchronizerCore,
+    learners: list[LearnerCore],
+    evals: list[dict[str, float]],
+    now: float,
+) -> dict[str, Any]:
+    cfg = setup.cfg
+    tokens = sync.ledger.tokens_trained
+    moved = sum(sync.bytes_up.values()) + sum(sync.bytes_down.values())
+    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * cfg.model.seq_len
+    dp_bytes = tokens / tokens_per_dp_step * 2 * setup.param_bytes() * cfg.num_learners
+    merged = [a.contributions for a in sync.ledger.accounts.values()]
+    rounds = _rounds(sync)
+    return {
+        **_common_summary(setup, evals, now),
+        "tokens": tokens,
+        "rounds": rounds,
+        "mean_contributors": sum(merged) / rounds if rounds else 0.0,
+        "bytes_up": sum(sync.bytes_up.values()),
+        "bytes_down": sum(sync.bytes_down.values()),
+        "bytes_total": moved,
+        "bytes_per_token": moved / max(1, tokens),
+        "dp_bytes_per_token": dp_bytes / max(1, tokens),
+        "rejected": dict(sync.rejected),
+        "ledger_violations": sync.ledger.violations(),
+        "learners": {
+            core.name: {
+                "inner_steps": core.step,
+                "tokens": core.cursor,
+                "contributions_merged": sync.ledger.account(core.name).contributions,
+            }
+            for core in learners
+        },
+    }

@@ -1,0 +1,190 @@
+"""Layer: algorithm (pure, no Ray). The synchronizer's state and work, without any transport.
+
+Holds the global value of every fragment, the per-fragment outer optimizer state, the recent
+published versions (the bases learners' deltas are relative to), the round book and the token
+ledger. `offer` reconstructs a contribution from its wire delta, guards it and hands it to the
+round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step, commit,
+and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
+(`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ray_diloco.algorithm import merge, outer, wire
+from ray_diloco.algorithm.fragments import FragmentPlan
+from ray_diloco.algorithm.ledger import TokenLedger
+from ray_diloco.algorithm.rounds import (
+    ContributionMeta,
+    RoundBook,
+    RoundClose,
+    RoundPolicy,
+    Verdict,
+)
+from ray_diloco.config import RunConfig
+
+Values = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A merged fragment to send to every live learner."""
+
+    fragment: int
+    version: int
+    encoded: dict[str, wire.Encoded]
+    close: RoundClose
+    sync_time_s: float
+
+    @property
+    def nbytes(self) -> int:
+        return wire.tree_bytes(self.encoded)
+
+
+class SynchronizerCore:
+    def __init__(self, cfg: RunConfig, plan: FragmentPlan, init_values: Mapping[str, Any]) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.book = RoundBook(
+            RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
+            plan.num_fragments,
+            sync_time_s=cfg.sync_time_s,
+        )
+        self.ledger = TokenLedger()
+        self.tx = outer.make_outer_optimizer(cfg.outer)
+        self.values: list[Values] = [
+            {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
+        ]
+        self.outer_states = [outer.init_outer_state(self.tx, v) for v in self.values]
+        # Version 0 is the shared initialisation every learner starts from, exactly.
+        self.published: list[dict[int, Values]] = [{0: v} for v in self.values]
+        self.bytes_up: dict[str, int] = {}
+        self.bytes_down: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+
+    # -- learners -----------------------------------------------------------------------------
+
+    def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
+        return self.book.register(learner, incarnation, now)
+
+    def snapshot(self) -> dict[int, tuple[int, Values]]:
+        """The latest published version of every fragment: what a (re)joining learner adopts."""
+        out = {}
+        for p, hist in enumerate(self.published):
+            v = max(hist)
+            out[p] = (v, hist[v])
+        return out
+
+    def report(
+        self, learner: str, incarnation: int, now: float, step_time_s: float | None, cursor: int
+    ) -> bool:
+        ok = self.book.heartbeat(learner, incarnation, now, step_time_s)
+        if ok:
+            self.ledger.record_progress(learner, cursor)
+        return ok
+
+    def offer(
+        self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float
+    ) -> Verdict:
+        """Take a contribution: `delta` is theta minus the published value of its base version."""
+        self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
+        hist = self.published[meta.fragment]
+        base = hist.get(meta.base_version)
+        if base is None:
+            # Older than the history we keep (or from before a synchronizer restart): it cannot
+            # be reconstructed, so it is fenced like any other too-stale contribution.
+            stale = meta.base_version < max(hist)
+            return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION)
+        if set(delta) != set(base):
+            return self._reject(Verdict.MALFORMED)
+        theta = {k: base[k] + d for k, d in wire.decode_tree(delta).items()}
+        finite = merge.all_finite(theta)
+        norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
+        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)
+        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict)
+
+    def _reject(self, verdict: Verdict) -> Verdict:
+        self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
+        return verdict
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def poll(self, now: float, sync_time_s: float | None = None) -> list[Publication]:
+        """Close, merge and commit every due round. `sync_time_s` fixes the merge time on a
+        virtual clock; on a real clock leave it None and the merge is timed."""
+        pubs = [self.merge(close, sync_time_s) for close in self.close_due(now)]
+        for pub in pubs:
+            self.commit(pub, now)
+        return pubs
+
+    def close_due(self, now: float) -> list[RoundClose]:
+        return self.book.poll(now)
+
+    def merge(self, close: RoundClose, sync_time_s: float | None = None) -> Publication:
+        """Token-weighted merge and outer step of one closed round. Touches only fragment
+        `close.fragment`, whose round book entry is marked merging, so callers may run it
+        outside the lock that guards offers and reports."""
+        t0 = time.perf_counter()
+        p = close.fragment
+        d = self.cfg.diloco
+        contributions = [
+            (c.payload, merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty))
+            for c, s in zip(close.contributions, close.staleness, strict=True)
+        ]
+        grad = merge.outer_gradient(self.values[p], contributions, self.plan.embedding, d.merge)
+        values, self.outer_states[p] = outer.outer_step(
+            self.tx, self.values[p], self.outer_states[p], grad
+        )
+        encoded = wire.encode_tree(values, wire.publish_dtype(d.wire_dtype))
+        hist = dict(self.published[p])
+        hist[close.version] = wire.decode_tree(encoded)
+        for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
+            del hist[v]
+        # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
+        self.values[p], self.published[p] = values, hist
+        elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
+        return Publication(p, close.version, encoded, close, elapsed)
+
+    def commit(self, pub: Publication, now: float) -> None:
+        self.ledger.record_merge(pub.close)
+        self.book.commit(pub.close, pub.sync_time_s, now)
+
+    def sent(self, learner: str, nbytes: int) -> None:
+        self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes
+
+    def global_params(self) -> Values:
+        """The current global parameters (all fragments), e.g. for held-out evaluation."""
+        out: Values = {}
+        for v in self.values:
+            out.update(v)
+        return out
+
+    # -- checkpointing ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "values": self.values,
+            "outer_states": self.outer_states,
+            "published": [{v: hist[v] for v in [max(hist)]} for hist in self.published],
+            "book": self.book.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "bytes_up": dict(self.bytes_up),
+            "bytes_down": dict(self.bytes_down),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], now: float) -> None:
+        self.values = [
+            {k: np.asarray(a, np.float32) for k, a in v.items()} for v in state["values"]
+        ]
+        self.outer_states = list(state["outer_states"])
+        self.published = [{int(v): vals for v, vals in h.items()} for h in state["published"]]
+        self.book.load_state_dict(state["book"], now)
+        self.ledger.load_state_dict(state["ledger"])
+        self.bytes_up = dict(state["bytes_up"])
+        self.bytes_down = dict(state["bytes_down"])

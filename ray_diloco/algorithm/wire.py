@@ -1,0 +1,178 @@
+"""Layer: algorithm (pure, no Ray). Wire formats for fragments crossing a learner-synchronizer
+link: float32, bfloat16, int8 (per-tensor scale) and int4 (blockwise scales, two values per
+byte). Streaming DiLoCo (algorithm.md section 1) sends outer gradients in 4 bits without
+measurable loss; the byte counts here are what the bandwidth measure (section 9) adds up.
+
+Layouts (all little-endian, independent of the host):
+- float32: 4 bytes per element, no scales.
+- bfloat16: 2 bytes per element, round-to-nearest-even (ml_dtypes), no scales.
+- int8: one byte per element `round(x / s)` in [-127, 127], one float32 scale `s = absmax / 127`.
+- int4: the flattened tensor in blocks of `block_size` elements (the last may be short), one
+  float32 scale `absmax / 7` per block, values in [-7, 7] as two's-complement nibbles, element
+  2i in the low nibble of byte i and 2i+1 in the high one (ceil(n / 2) bytes).
+`Encoded.nbytes` counts payload and scales only; dtype, shape and block size are metadata that
+both ends already know from the config and the fragment plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import ArrayLike
+
+from ray_diloco.config import WireDtype
+
+_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4")
+_INT8_MAX = 127
+_INT4_MAX = 7
+_F32 = np.dtype("<f4")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One leaf on the wire. `block_size` is meaningful for int4 only (0 otherwise)."""
+
+    dtype: WireDtype
+    shape: tuple[int, ...]
+    payload: bytes
+    scales: bytes
+    block_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload) + len(self.scales)
+
+    @property
+    def num_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _check(dtype: str, block_size: int) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(f"diloco.wire_dtype={dtype!r}: expected one of {list(_DTYPES)}")
+    if dtype == "int4" and block_size < 1:
+        raise ValueError(f"diloco.int4_block_size={block_size} must be >= 1")
+
+
+def _num_blocks(num_elements: int, block_size: int) -> int:
+    return -(-num_elements // block_size)
+
+
+def wire_bytes(num_elements: int, dtype: WireDtype, block_size: int = 64) -> int:
+    """Bytes `encode` produces for a leaf of `num_elements` elements (equal to `.nbytes`)."""
+    _check(dtype, block_size)
+    if num_elements < 0:
+        raise ValueError(f"wire_bytes: num_elements={num_elements} must be >= 0")
+    if dtype == "float32":
+        return 4 * num_elements
+    if dtype == "bfloat16":
+        return 2 * num_elements
+    if dtype == "int8":
+        return num_elements + 4
+    return (num_elements + 1) // 2 + 4 * _num_blocks(num_elements, block_size)
+
+
+def _symmetric(blocks: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize each row of `blocks` (float64) with scale absmax / qmax; returns (q, scales)."""
+    absmax = np.max(np.abs(blocks), axis=1) if blocks.shape[1] else np.zeros(len(blocks))
+    scales = (absmax / qmax).astype(np.float32)
+    # A zero (or underflowed) scale means the block is all zeros as far as float32 can tell:
+    # divide by 1 instead, which gives q = 0 there and decodes to exact zeros.
+    safe = np.where(scales > 0, scales, 1.0).astype(np.float64)
+    q = np.rint(blocks / safe[:, None])
+    q = np.where((scales > 0)[:, None], q, 0.0)
+    return np.clip(q, -qmax, qmax).astype(np.int8), scales
+
+
+def encode(x: ArrayLike, dtype: WireDtype, block_size: int = 64) -> Encoded:
+    """Encode one leaf (cast to float32 first). Non-finite values raise ValueError: guards
+    reject NaN contributions before this, and the wire must not hide one inside a scale."""
+    _check(dtype, block_size)
+    with np.errstate(over="ignore"):  # overflow to inf is reported just below, as an error
+        arr = np.asarray(x, dtype=np.float32)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("refusing to encode non-finite values (NaN or inf)")
+    shape = tuple(int(d) for d in arr.shape)
+    flat = arr.reshape(-1)
+    if dtype == "float32":
+        return Encoded(dtype, shape, flat.astype(_F32).tobytes(), b"")
+    if dtype == "bfloat16":
+        bf = flat.astype(ml_dtypes.bfloat16)
+        if not np.all(np.isfinite(bf)):
+            raise ValueError("refusing to encode values that overflow bfloat16")
+        return Encoded(dtype, shape, bf.view(np.uint16).astype("<u2").tobytes(), b"")
+    wide = flat.astype(np.float64)
+    if dtype == "int8":
+        q, scales = _symmetric(wide[None, :], _INT8_MAX)
+        return Encoded(dtype, shape, q.tobytes(), scales.astype(_F32).tobytes())
+    n = flat.size
+    num_blocks = _num_blocks(n, block_size)
+    padded = np.zeros(num_blocks * block_size, dtype=np.float64)
+    padded[:n] = wide  # zero padding leaves every block's absmax unchanged
+    q, scales = _symmetric(padded.reshape(num_blocks, block_size), _INT4_MAX)
+    nibbles = (q.reshape(-1)[:n].astype(np.uint8)) & 0x0F
+    if n % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return Encoded(dtype, shape, packed.tobytes(), scales.astype(_F32).tobytes(), block_size)
+
+
+def decode(enc: Encoded) -> np.ndarray:
+    """The float32 array of the original shape."""
+    _check(enc.dtype, enc.block_size)
+    n = enc.num_elements
+    if enc.nbytes != wire_bytes(n, enc.dtype, enc.block_size):
+        raise ValueError(
+            f"decode: {enc.nbytes} bytes for {n} {enc.dtype} elements, expected "
+            f"{wire_bytes(n, enc.dtype, enc.block_size)}"
+        )
+    if enc.dtype == "float32":
+        flat = np.frombuffer(enc.payload, dtype=_F32).astype(np.float32)
+    elif enc.dtype == "bfloat16":
+        bits = np.frombuffer(enc.payload, dtype="<u2").astype(np.uint16)
+        flat = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    elif enc.dtype == "int8":
+        q = np.frombuffer(enc.payload, dtype=np.int8)
+        flat = q.astype(np.float32) * np.frombuffer(enc.scales, dtype=_F32)[0]
+    else:
+        packed = np.frombuffer(enc.payload, dtype=np.uint8)
+        nibbles = np.empty(2 * packed.size, dtype=np.uint8)
+        nibbles[0::2] = packed & 0x0F
+        nibbles[1::2] = packed >> 4
+        # Sign-extend the 4-bit two's complement: 0..7 stay, 8..15 become -8..-1.
+        q = (nibbles[:n].astype(np.int8) ^ 8) - 8
+        scales = np.frombuffer(enc.scales, dtype=_F32).astype(np.float32)
+        flat = q.astype(np.float32) * np.repeat(scales, enc.block_size)[:n]
+    return flat.reshape(enc.shape)
+
+
+def encode_tree(
+    values: Mapping[str, ArrayLike], dtype: WireDtype, block_size: int = 64
+) -> dict[str, Encoded]:
+    """Encode every leaf of a flat dict (a fragment), keeping its order."""
+    return {path: encode(v, dtype, block_size) for path, v in values.items()}
+
+
+def decode_tree(encoded: Mapping[str, Encoded]) -> dict[str, np.ndarray]:
+    return {path: decode(enc) for path, enc in encoded.items()}
+
+
+def tree_bytes(encoded: Mapping[str, Encoded]) -> int:
+    """Bytes an encoded fragment puts on the wire."""
+    return sum(enc.nbytes for enc in encoded.values())
+
+
+def tree_wire_bytes(leaf_sizes: Mapping[str, int], dtype: WireDtype, block_size: int = 64) -> int:
+    """Bytes a fragment with these leaf sizes would put on the wire, without encoding it
+    (equal to `tree_bytes(encode_tree(...))`)."""
+    return sum(wire_bytes(n, dtype, block_size) for n in leaf_sizes.values())
+
+
+def publish_dtype(wire_dtype: WireDtype) -> WireDtype:
+    """Dtype of a published global fragment (docs/contracts.md): float32 when the wire is
+    float32, else bfloat16; the downstream value is not quantized to int8/int4, because it
+    replaces the learner's parameters outright rather than adding a small delta."""
+    return "float32" if wire_dtype == "float32" else "bfloat16"

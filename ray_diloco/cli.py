@@ -1,0 +1,95 @@
+"""Top level: the `ray-diloco` command.
+
+  ray-diloco train --config jobs/local.yaml [--set a.b=c ...]       run on Ray (embedded or
+                                                                       RAY_ADDRESS)
+  ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
+  ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
+
+Printing to the terminal happens here (and in the progress display) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ray_diloco.config import ConfigError, RunConfig, dump_config, load_config
+from ray_diloco.log import setup_logging
+from ray_diloco.report import progress_line, summary_table, write_json
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML run config (default: built-in defaults)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="dotted override, repeatable, e.g. --set diloco.quorum_min=2",
+    )
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _load(args: argparse.Namespace) -> RunConfig:
+    cfg = load_config(args.config, args.overrides)
+    dump_config(cfg, Path(cfg.run_dir) / "config.json")
+    return cfg
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ray_diloco.algorithm.simulate import run_reference
+
+    cfg = _load(args)
+    print(
+        f"simulate: mode={cfg.diloco.mode} learners={cfg.num_learners} "
+        f"P={cfg.diloco.num_fragments} H={cfg.diloco.sync_every} K={cfg.diloco.quorum_min} "
+        f"wire={cfg.diloco.wire_dtype} budget={cfg.token_budget} tokens",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    summary = run_reference(cfg, progress=lambda p: print(progress_line(p, cfg.token_budget),
+                                                           flush=True))
+    summary["wall_time_s"] = time.perf_counter() - t0
+    write_json(Path(cfg.run_dir) / "summary.json", summary)
+    print(summary_table(summary))
+    print(f"wrote {cfg.run_dir}/summary.json")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ray_diloco.driver import run_training
+
+    cfg = _load(args)
+    summary = run_training(cfg, address=args.address, stop_synchronizer=not args.keep_synchronizer)
+    print(summary_table(summary))
+    print(f"wrote {cfg.run_dir}/summary.json")
+    return 0 if summary.get("tokens", 0) >= cfg.token_budget else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "simulate-goodput":
+        from ray_diloco.goodput_cli import simulate_goodput_main
+
+        return simulate_goodput_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
+    _add_config_args(train)
+    train.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or "
+                       "an embedded local Ray)")
+    train.add_argument("--keep-synchronizer", action="store_true",
+                       help="leave the detached synchronizer running after the run")
+    simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
+    _add_config_args(simulate)
+    sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return {"train": cmd_train, "simulate": cmd_simulate}[args.command](args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

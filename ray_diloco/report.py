@@ -1,0 +1,85 @@
+"""Top level: turning run summaries into what people read (progress lines, tables, files).
+
+No Ray, no JAX: it formats dicts produced by `algorithm/simulate.py` and the Ray driver.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def human(n: float) -> str:
+    """1234567 -> '1.23M' (tokens, bytes)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def progress_line(point: Mapping[str, Any], budget: int) -> str:
+    parts = [f"tokens {human(point['tokens'])}/{human(budget)}"]
+    if "t" in point:
+        parts.append(f"t={point['t']:.1f}s")
+    if point.get("tokens_per_s"):
+        parts.append(f"{human(point['tokens_per_s'])} tok/s")
+    if point.get("heldout_loss") is not None:
+        parts.append(f"heldout {point['heldout_loss']:.4f}")
+    if "rounds" in point:
+        parts.append(f"rounds {point['rounds']}")
+    if point.get("contributors") is not None:
+        parts.append(f"contributors/round {point['contributors']:.2f}")
+    if point.get("goodput") is not None:
+        parts.append(f"goodput {point['goodput']:.3f}")
+    if point.get("step_rates"):
+        rates = " ".join(f"{k}:{v:.1f}" for k, v in sorted(point["step_rates"].items()))
+        parts.append(f"steps/s [{rates}]")
+    return "  ".join(parts)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+SUMMARY_FIELDS = (
+    ("mode", "mode"),
+    ("tokens", "tokens trained"),
+    ("heldout_loss", "held-out loss (global params)"),
+    ("rounds", "rounds (merges)"),
+    ("mean_contributors", "mean contributors per round"),
+    ("bytes_total", "bytes moved"),
+    ("bytes_per_token", "bytes per token"),
+    ("dp_bytes_per_token", "data-parallel bytes per token"),
+    ("goodput", "goodput"),
+    ("uptime", "uptime"),
+    ("wall_time_s", "wall time (s)"),
+    ("virtual_time_s", "virtual time (s)"),
+)
+
+
+def summary_table(summary: Mapping[str, Any]) -> str:
+    rows = []
+    for key, label in SUMMARY_FIELDS:
+        if key not in summary:
+            continue
+        v = summary[key]
+        shown = human(v) if key in ("tokens", "bytes_total") else v
+        rows.append({"measure": label, "value": shown})
+    return markdown_table(rows, ("measure", "value"))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write atomically (temp file + rename) so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    tmp.replace(path)

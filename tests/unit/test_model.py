@@ -1,0 +1,129 @@
+"""The byte-level transformer's flat-dict contract (docs/contracts.md, algorithm/model.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ray_diloco.algorithm import model
+from ray_diloco.config import ModelConfig
+
+TINY = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, seq_len=16)
+TINY_TIED = TINY.model_copy(update={"tie_embeddings": True})
+
+
+@pytest.fixture(scope="module")
+def params() -> dict[str, jax.Array]:
+    return model.init_params(TINY, 0)
+
+
+def _tokens(seed: int, batch: int = 2, t: int = TINY.seq_len) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (batch, t)), dtype=jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TINY,
+        TINY_TIED,
+        ModelConfig(d_model=16, num_layers=3, num_heads=4, d_ff=32, seq_len=8),
+        ModelConfig(),
+    ],
+)
+def test_leaf_paths_match_config_and_nnx_module(cfg: ModelConfig) -> None:
+    paths = model.leaf_paths(cfg)
+    assert len(paths) == cfg.num_leaves == len(set(paths))
+    # The hand-written layout must be exactly what NNX builds (shapes included).
+    _, state = nnx.split(nnx.eval_shape(lambda: model._Transformer(cfg, nnx.Rngs(0))))
+    built = {
+        "/".join(str(k) for k, in [(p,) for p in path]): v.shape
+        for path, v in nnx.to_flat_state(state)
+    }
+    assert built == model.leaf_shapes(cfg)
+
+
+def test_leaf_order_and_shapes(params: dict[str, jax.Array]) -> None:
+    d, f, v, t = TINY.d_model, TINY.d_ff, TINY.vocab_size, TINY.seq_len
+    assert list(params) == list(model.leaf_paths(TINY))
+    assert list(params)[:2] == ["embed/embedding", "pos_embed"]
+    assert list(params)[-2:] == ["ln_f/scale", "unembed/kernel"]
+    assert params["embed/embedding"].shape == (v, d)
+    assert params["pos_embed"].shape == (t, d)
+    for name in ("q", "k", "v", "o"):
+        assert params[f"blocks/1/attn/{name}/kernel"].shape == (d, d)
+    assert params["blocks/0/mlp/up/kernel"].shape == (d, f)
+    assert params["blocks/0/mlp/down/kernel"].shape == (f, d)
+    assert params["unembed/kernel"].shape == (d, v)
+    assert all(x.dtype == jnp.float32 for x in params.values())
+    assert "unembed/kernel" not in model.leaf_paths(TINY_TIED)
+
+
+def test_default_model_is_about_half_a_million_parameters() -> None:
+    shapes = model.leaf_shapes(ModelConfig())
+    assert sum(int(np.prod(s)) for s in shapes.values()) == 498_528
+
+
+def test_init_deterministic_and_scaled(params: dict[str, jax.Array]) -> None:
+    again = model.init_params(TINY, 0)
+    other = model.init_params(TINY, 1)
+    assert all(np.array_equal(params[k], again[k]) for k in params)
+    assert not np.array_equal(params["blocks/0/attn/q/kernel"], other["blocks/0/attn/q/kernel"])
+    assert np.all(np.asarray(params["blocks/0/ln1/scale"]) == 1.0)
+    assert np.all(np.asarray(params["ln_f/scale"]) == 1.0)
+    q_std = float(np.std(params["blocks/0/attn/q/kernel"]))
+    o_std = float(np.std(params["blocks/0/attn/o/kernel"]))
+    assert 0.015 < q_std < 0.025
+    assert o_std < 0.7 * q_std  # residual-branch outputs start smaller
+    assert model.num_params(params) == sum(int(np.prod(s)) for s in model.leaf_shapes(TINY).values())
+
+
+def test_apply_shapes_and_jit_equivalence(params: dict[str, jax.Array]) -> None:
+    tokens = _tokens(0)
+    eager = model.apply(TINY, params, tokens)
+    jitted = jax.jit(lambda p, x: model.apply(TINY, p, x))(params, tokens)
+    assert eager.shape == (2, TINY.seq_len, TINY.vocab_size)
+    assert eager.dtype == jnp.float32
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-5)
+    assert model.apply(TINY, params, tokens[:, :5]).shape == (2, 5, TINY.vocab_size)
+
+
+def test_causal_later_token_does_not_change_earlier_logits(params: dict[str, jax.Array]) -> None:
+    tokens = _tokens(1)
+    changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 256)
+    a = np.asarray(model.apply(TINY, params, tokens))
+    b = np.asarray(model.apply(TINY, params, changed))
+    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-6, atol=1e-6)
+    assert np.abs(a[:, 10:] - b[:, 10:]).max() > 1e-4
+
+
+def test_tied_embeddings_use_the_embedding_table() -> None:
+    p = model.init_params(TINY_TIED, 0)
+    assert len(p) == TINY_TIED.num_leaves
+    tokens = _tokens(2)
+    base = model.apply(TINY_TIED, p, tokens)
+    # Scaling the table's row for byte 7 must change only how strongly byte 7 is predicted
+    # at the output, besides the inputs that are byte 7 (there are none here).
+    safe = jnp.where(tokens == 7, 8, tokens)
+    base = model.apply(TINY_TIED, p, safe)
+    bumped = dict(p, **{"embed/embedding": p["embed/embedding"].at[7].multiply(2.0)})
+    out = model.apply(TINY_TIED, bumped, safe)
+    np.testing.assert_allclose(out[..., 7], 2.0 * base[..., 7], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out[..., :7], base[..., :7], rtol=1e-6, atol=1e-6)
+
+
+def test_apply_rejects_bad_inputs(params: dict[str, jax.Array]) -> None:
+    with pytest.raises(ValueError, match="seq_len"):
+        model.apply(TINY, params, _tokens(0, t=TINY.seq_len + 1))
+    broken = {k: v for k, v in params.items() if k != "ln_f/scale"}
+    with pytest.raises(KeyError, match="ln_f/scale"):
+        model.apply(TINY, broken, _tokens(0))
+
+
+def test_is_embedding_flags_exactly_the_byte_tables() -> None:
+    flagged = {p for p in model.leaf_paths(TINY) if model.is_embedding(p)}
+    assert flagged == {"embed/embedding", "pos_embed", "unembed/kernel"}
+    flagged_tied = {p for p in model.leaf_paths(TINY_TIED) if model.is_embedding(p)}
+    assert flagged_tied == {"embed/embedding", "pos_embed"}

@@ -1,0 +1,179 @@
+"""The round state machine (algorithm.md sections 5 and 7) on a hand-driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_diloco.algorithm.rounds import ContributionMeta, RoundBook, RoundPolicy, Verdict
+from ray_diloco.config import DilocoConfig, SynchronizerConfig
+
+
+def policy(**kw) -> RoundPolicy:
+    base = dict(
+        quorum_min=1,
+        grace_fraction=0.5,
+        grace_max_s=10.0,
+        overlap_steps=2,
+        late_policy="next_round",
+        max_staleness_versions=2,
+        norm_guard=10.0,
+        norm_guard_warmup_rounds=3,
+        heartbeat_timeout_s=5.0,
+        step_time_ema=1.0,
+    )
+    base.update(kw)
+    return RoundPolicy(**base)
+
+
+def meta(learner, fragment=0, base=0, steps=4, tokens=400, inc=0) -> ContributionMeta:
+    return ContributionMeta(learner, inc, fragment, base, steps, steps, tokens)
+
+
+def book_with(names, pol, step_time=1.0, num_fragments=1) -> RoundBook:
+    book = RoundBook(pol, num_fragments=num_fragments)
+    for n in names:
+        book.register(n, 0, now=0.0)
+        book.heartbeat(n, 0, now=0.0, step_time_s=step_time)
+    return book
+
+
+def test_grace_window_is_spent_slack_and_closes_on_expiry():
+    # tau=2, slowest step 1 s, no sync time yet: quorum (K=1) reached at t=0.1 after the round
+    # opened at t=0.1 -> slack = 2*1 - (0 + 0) = 2, grace = 0.5*2 = 1.0 s.
+    book = book_with(["a", "b", "c"], policy())
+    assert book.offer(meta("a"), now=0.1) is Verdict.ACCEPTED
+    assert book.poll(now=1.0) == []
+    assert book.next_deadline() == pytest.approx(1.1)
+    (close,) = book.poll(now=1.1)
+    assert close.grace_s == pytest.approx(1.0)
+    assert [c.meta.learner for c in close.contributions] == ["a"]
+    assert book.commit(close, sync_time_s=0.0, now=1.2) == 1
+
+
+def test_round_closes_early_when_every_live_learner_is_in():
+    book = book_with(["a", "b"], policy())
+    book.offer(meta("a"), now=0.0)
+    assert book.poll(now=0.2) == []
+    book.offer(meta("b"), now=0.3)
+    (close,) = book.poll(now=0.3)
+    assert close.closed_s == 0.3 and len(close.contributions) == 2
+
+
+def test_quorum_wait_and_sync_time_eat_the_slack():
+    # K=2: opened at 0, quorum at 0.6 -> slack = 2*1 - (0.6 + 0.4) = 1.0 -> grace 0.5
+    book = book_with(["a", "b", "c"], policy(quorum_min=2))
+    book.sync_time_s = 0.4
+    book.offer(meta("a"), now=0.0)
+    assert book.poll(now=0.5) == []  # below quorum, however long it waits
+    book.offer(meta("b"), now=0.6)
+    assert book.poll(now=1.0) == []
+    (close,) = book.poll(now=1.1)
+    assert close.grace_s == pytest.approx(0.5)
+
+
+def test_grace_is_capped_and_never_negative():
+    book = book_with(["a", "b"], policy(grace_max_s=0.25), step_time=100.0)
+    book.offer(meta("a"), now=0.0)
+    assert book.poll(now=0.24) == []
+    assert len(book.poll(now=0.25)) == 1
+    slow_quorum = book_with(["a", "b", "c"], policy(quorum_min=2), step_time=0.1)
+    slow_quorum.offer(meta("a"), now=0.0)
+    slow_quorum.offer(meta("b"), now=3.0)  # slack = 0.2 - 3.0 < 0
+    assert len(slow_quorum.poll(now=3.0)) == 1
+
+
+def test_dead_learner_stops_counting_as_live():
+    book = book_with(["a", "b"], policy(grace_max_s=100.0, grace_fraction=0.9), step_time=100.0)
+    book.offer(meta("a"), now=1.0)
+    book.heartbeat("a", 0, now=6.0, step_time_s=None)
+    assert book.poll(now=4.0) == []  # b still live: wait out the grace window
+    assert book.live(now=6.0) == {"a"}  # b silent for > heartbeat_timeout_s
+    assert len(book.poll(now=6.0)) == 1
+
+
+def test_synchronous_mode_is_a_barrier():
+    pol = RoundPolicy.from_config(
+        DilocoConfig(mode="synchronous", quorum_min=1), SynchronizerConfig(), num_learners=3
+    )
+    assert (pol.quorum_min, pol.grace_max_s) == (3, 0.0)
+    book = book_with(["a", "b", "c"], pol)
+    book.offer(meta("a"), now=0.0)
+    book.offer(meta("b"), now=0.0)
+    assert book.poll(now=1000.0) == []  # a barrier waits for everyone, dead or alive
+    book.offer(meta("c"), now=1000.0)
+    assert len(book.poll(now=1000.0)[0].contributions) == 3
+
+
+def test_late_contribution_joins_the_next_round_with_staleness():
+    book = book_with(["a", "b"], policy(grace_max_s=0.0))
+    book.offer(meta("a"), now=0.0)
+    (close,) = book.poll(now=0.0)
+    book.offer(meta("b", base=0), now=0.1)  # arrives while round 0 is merging
+    book.commit(close, sync_time_s=0.0, now=0.2)
+    (close2,) = book.poll(now=0.2)
+    assert [c.meta.learner for c in close2.contributions] == ["b"]
+    assert close2.staleness == (1,) and close2.version == 2
+
+
+def test_drop_policy_discards_late_contributions():
+    book = book_with(["a", "b"], policy(grace_max_s=0.0, late_policy="drop"))
+    book.offer(meta("a"), now=0.0)
+    (close,) = book.poll(now=0.0)
+    book.offer(meta("b", base=0), now=0.1)
+    book.commit(close, sync_time_s=0.0, now=0.2)
+    assert book.poll(now=0.3) == []
+
+
+def test_replacement_keeps_tokens_exactly_once():
+    book = book_with(["a", "b"], policy(quorum_min=2, max_staleness_versions=5))
+    # same base: the newer counters already include the older entry's work
+    book.offer(meta("a", steps=4, tokens=400), now=0.0)
+    book.offer(meta("a", steps=8, tokens=800), now=1.0)
+    assert book.fragments[0].pending["a"].num_tokens == 800
+    # newer base: the learner's counters restarted, so the older entry's work is added
+    book.fragments[0].version = 1
+    book.offer(meta("a", base=1, steps=2, tokens=200), now=2.0)
+    assert book.fragments[0].pending["a"].num_tokens == 1000
+    assert book.fragments[0].pending["a"].num_steps == 10
+
+
+def test_fencing_rejects_old_incarnations_and_stale_versions():
+    book = book_with(["a"], policy(max_staleness_versions=2))
+    book.register("a", 1, now=0.0)
+    assert book.offer(meta("a", inc=0), now=0.0) is Verdict.OLD_INCARNATION
+    assert book.offer(meta("zz"), now=0.0) is Verdict.UNKNOWN_LEARNER
+    book.fragments[0].version = 3
+    assert book.offer(meta("a", base=0, inc=1), now=0.0) is Verdict.STALE_VERSION
+    assert book.offer(meta("a", base=4, inc=1), now=0.0) is Verdict.FUTURE_VERSION
+    assert book.offer(meta("a", base=1, inc=1), now=0.0) is Verdict.ACCEPTED
+    with pytest.raises(ValueError, match="incarnation 0 is older"):
+        book.register("a", 0, now=0.0)
+    assert not book.heartbeat("a", 0, now=1.0, step_time_s=1.0)
+
+
+def test_numerical_guards():
+    book = book_with(["a"], policy(norm_guard=10.0, norm_guard_warmup_rounds=3))
+    assert book.offer(meta("a"), now=0, finite=False) is Verdict.NON_FINITE
+    assert book.offer(meta("a"), now=0, outer_grad_norm=float("nan")) is Verdict.NON_FINITE
+    # before the warm-up any norm passes; afterwards 10x the median is rejected
+    for n in (1.0, 2.0, 50.0):
+        assert book.offer(meta("a"), now=0, outer_grad_norm=n) is Verdict.ACCEPTED
+    assert book.offer(meta("a"), now=0, outer_grad_norm=19.9) is Verdict.ACCEPTED
+    assert book.offer(meta("a"), now=0, outer_grad_norm=1e6) is Verdict.NORM_OUTLIER
+    assert book.offer(meta("a", steps=0), now=0) is Verdict.EMPTY
+
+
+def test_abort_returns_contributions_and_state_round_trips():
+    book = book_with(["a", "b"], policy(grace_max_s=0.0), num_fragments=2)
+    book.offer(meta("a", fragment=1), now=0.0)
+    (close,) = book.poll(now=0.0)
+    book.abort(close, now=0.1)
+    (again,) = book.poll(now=0.1)
+    assert again.contributions == close.contributions
+    book.commit(again, sync_time_s=0.2, now=0.3)
+    restored = RoundBook(book.policy, num_fragments=2)
+    restored.load_state_dict(book.state_dict(), now=5.0)
+    assert restored.versions() == {0: 0, 1: 1}
+    assert restored.live(now=5.0) == set()  # must re-register after a restart
+    restored.register("a", 0, now=5.0)
+    assert restored.live(now=5.0) == {"a"}
