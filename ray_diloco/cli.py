@@ -23,7 +23,11 @@ from ray_diloco.report import progress_line, summary_table, write_json
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML run config (default: built-in defaults)")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="dotted override, repeatable, e.g. --set diloco.quorum_min=2",
     )
     p.add_argument("--log-level", default="WARNING")
@@ -46,8 +50,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    summary = run_reference(cfg, progress=lambda p: print(progress_line(p, cfg.token_budget),
-                                                           flush=True))
+    summary = run_reference(
+        cfg, progress=lambda p: print(progress_line(p, cfg.token_budget), flush=True)
+    )
     summary["wall_time_s"] = time.perf_counter() - t0
     write_json(Path(cfg.run_dir) / "summary.json", summary)
     print(summary_table(summary))
@@ -75,10 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
     _add_config_args(train)
-    train.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or "
-                       "an embedded local Ray)")
-    train.add_argument("--keep-synchronizer", action="store_true",
-                       help="leave the detached synchronizer running after the run")
+    train.add_argument(
+        "--address",
+        default=None,
+        help="Ray address (default: RAY_ADDRESS or an embedded local Ray)",
+    )
+    train.add_argument(
+        "--keep-synchronizer",
+        action="store_true",
+        help="leave the detached synchronizer running after the run",
+    )
     simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
     _add_config_args(simulate)
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")

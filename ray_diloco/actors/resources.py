@@ -86,9 +86,12 @@ def reserve_learner_group(
     lifetime = "detached" if detached else None
     deadline = time.monotonic() + timeout_s
     logger.info(
-        "reserving learner %s: %s, topology %s, region %s", lg.name, lg.accelerator,
-        lg.topology, lg.region,
-    )  # fmt: skip
+        "reserving learner %s: %s, topology %s, region %s",
+        lg.name,
+        lg.accelerator,
+        lg.topology,
+        lg.region,
+    )
     if lg.accelerator in _TPU_VERSIONS:
         return _reserve_tpu(lg, name, lifetime, deadline, timeout_s, emulated)
     return _reserve_plain(lg, name, lifetime, deadline, timeout_s)
@@ -182,29 +185,38 @@ def _reserve_tpu(
         topology, version, resources_per_worker={"CPU": lg.cpus_per_host}, chips_per_vm=chips_per_vm
     )
     if n != lg.num_hosts:
-        logger.info("learner %s: topology %s has %d hosts (config num_hosts=%d)",
-                    lg.name, topology, n, lg.num_hosts)  # fmt: skip
+        logger.info(
+            "learner %s: topology %s has %d hosts (config num_hosts=%d)",
+            lg.name,
+            topology,
+            n,
+            lg.num_hosts,
+        )
     base = [{WORKER_ID_LABEL: str(i)} if n > 1 else {} for i in range(n)]
     if lg.region != LOCAL_REGION:
         base = [{**sel, REGION_LABEL: lg.region} for sel in base]
     # Ray's head reservation ignores our selectors, so with a region and several hosts we pick
     # the slice ourselves (named slices skip the head step); PG creation stays all-or-nothing.
-    candidates: list[str | None] = [None]
-    if lg.region != LOCAL_REGION and n > 1:
-        candidates = list(_slices_in_region(version, topology, lg.region, n))
-    for k, slice_name in enumerate(candidates):
-        share = (deadline - time.monotonic()) / (len(candidates) - k)
-        sel = [{**s, SLICE_LABEL: slice_name} for s in base] if slice_name else base
-        handle = _try_slice(lg, version, topology, chips_per_vm, sel, name, lifetime, share)
-        if handle is not None:
-            pg = handle.placement_group
-            assert pg is not None
-            env = {"JAX_PLATFORMS": "cpu"} if emulated else None
-            chips = {"TPU": float(bundle["TPU"])}
-            opts = tuple(_options(pg, i, bundle, env, chips) for i in range(n))
-            return LearnerPlacement(
-                lg.name, lg.accelerator, lg.region, pg, opts, dict(bundle), handle, slice_name
-            )
+    pick_slice = lg.region != LOCAL_REGION and n > 1
+    while True:
+        candidates = _slices(version, topology, lg.region, n) if pick_slice else [None]
+        for k, slice_name in enumerate(candidates):
+            share = (deadline - time.monotonic()) / (len(candidates) - k)
+            sel = [{**s, SLICE_LABEL: slice_name} for s in base] if slice_name else base
+            handle = _try_slice(lg, version, topology, chips_per_vm, sel, name, lifetime, share)
+            if handle is not None:
+                pg = handle.placement_group
+                assert pg is not None
+                env = {"JAX_PLATFORMS": "cpu"} if emulated else None
+                chips = {"TPU": float(bundle["TPU"])}
+                opts = tuple(_options(pg, i, bundle, env, chips) for i in range(n))
+                return LearnerPlacement(
+                    lg.name, lg.accelerator, lg.region, pg, opts, dict(bundle), handle, slice_name
+                )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        time.sleep(min(1.0, remaining))  # no intact slice in the region yet; nodes may join
     raise PlacementTimeoutError(_timeout_message(lg, timeout_s, n, bundle, version, topology))
 
 
@@ -229,11 +241,12 @@ def _try_slice(
             lifetime=lifetime,
             chips_per_vm=chips_per_vm,
             head_reservation_timeout_s=max(wait_s, 0.1),
-            bundle_label_selector=[s for s in selectors if s] and selectors or None,
+            bundle_label_selector=selectors if any(selectors) else None,
         )
     except TimeoutError:  # head PG not placed; Ray already removed the pending head PG
-        logger.info("learner %s: no free %s %s slice head in %.1f s", lg.name, version,
-                    topology, wait_s)  # fmt: skip
+        logger.info(
+            "learner %s: no free %s %s slice head in %.1f s", lg.name, version, topology, wait_s
+        )
         return None
     pg = handle.placement_group
     assert pg is not None
@@ -291,8 +304,9 @@ def _alive_nodes() -> list[dict[str, Any]]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
-def _slices_in_region(version: str, topology: str, region: str, num_hosts: int) -> list[str]:
-    """Intact slices (all hosts alive) of this generation and topology in `region`."""
+def _slices(version: str, topology: str, region: str, num_hosts: int) -> list[str]:
+    """Intact slices (all hosts alive) of this generation and topology in `region` (any
+    region for "local"), by node labels."""
     accel = f"TPU-{version.upper()}"
     hosts: dict[str, int] = {}
     for node in _alive_nodes():
@@ -300,7 +314,7 @@ def _slices_in_region(version: str, topology: str, region: str, num_hosts: int) 
         if (
             labels.get(ACCELERATOR_LABEL) == accel
             and labels.get(TOPOLOGY_LABEL) == topology
-            and labels.get(REGION_LABEL) == region
+            and region in (LOCAL_REGION, labels.get(REGION_LABEL))
             and labels.get(SLICE_LABEL)
         ):
             hosts[labels[SLICE_LABEL]] = hosts.get(labels[SLICE_LABEL], 0) + 1
@@ -324,7 +338,7 @@ def _timeout_message(
     big = [n_ for n_ in nodes if all(n_["Resources"].get(k, 0) >= v for k, v in bundle.items())]
     need = f"{n} host(s) with {bundle} each in {where}"
     if version:
-        found = _slices_in_region(version, topology or "", lg.region, n) if lg.region != LOCAL_REGION else []
+        found = _slices(version, topology or "", lg.region, n)
         need = (
             f"one idle, intact TPU-{version.upper()} slice of topology {topology} ({need}); "
             f"intact slices there: {found or 'none found by label'}"

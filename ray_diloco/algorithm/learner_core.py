@@ -73,6 +73,7 @@ class LearnerCore:
         self.adopt(snapshot)
         self.opt_state = self._fresh_opt_state()
         self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
+        self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
 
     def _fresh_opt_state(self) -> Any:
         state = self.tx.init(self.params)
@@ -88,13 +89,29 @@ class LearnerCore:
         for p, (version, values) in snapshot.items():
             self._overwrite(p, version, values, alpha=0.0)
 
-    def apply(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> bool:
-        """Mix a newly published fragment in at a step boundary; older versions are ignored."""
-        if version <= self.base_version[fragment]:
-            return False
-        self._overwrite(fragment, version, values, alpha=self.cfg.diloco.mixing_alpha)
-        self.outstanding.pop(fragment, None)
-        return True
+    def receive(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> None:
+        """Hold a published fragment until the next step boundary (`apply_received`)."""
+        held = self.inbox.get(fragment)
+        if held is None or version > held[0]:
+            self.inbox[fragment] = (version, values)
+
+    def apply_received(self) -> list[int]:
+        """At a step boundary, mix in the held fragments that are due. Decoupled: all of them.
+        Synchronous: a fragment offered at step t is applied exactly at t + tau (Streaming
+        DiLoCo), which also makes the run independent of arrival timing."""
+        tau = self.cfg.diloco.overlap_steps
+        synchronous = self.cfg.diloco.mode == "synchronous"
+        applied = []
+        for p, (version, values) in sorted(self.inbox.items()):
+            offered = self.outstanding.get(p)
+            if synchronous and offered is not None and self.step - offered[0] < tau:
+                continue
+            del self.inbox[p]
+            if version > self.base_version[p]:
+                self._overwrite(p, version, values, alpha=self.cfg.diloco.mixing_alpha)
+                self.outstanding.pop(p, None)
+                applied.append(p)
+        return applied
 
     def _overwrite(
         self, p: int, version: int, values: Mapping[str, np.ndarray], alpha: float
@@ -130,7 +147,9 @@ class LearnerCore:
 
     def blocked_on(self) -> list[int]:
         """Synchronous mode: fragments offered `overlap_steps` ago whose new version has not
-        arrived yet; the learner must wait for them before its next step."""
+        arrived yet; the learner waits for them before its next step. Never in decoupled mode."""
+        if self.cfg.diloco.mode != "synchronous":
+            return []
         tau = self.cfg.diloco.overlap_steps
         return [p for p, (at, _) in self.outstanding.items() if self.step - at >= tau]
 

@@ -124,9 +124,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
         for i, lg in enumerate(cfg.learners)
     ]
     clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
-    inbox: list[list[tuple[int, int, Any]]] = [[] for _ in learners]
     blocked = [False] * len(learners)
-    last_step_s = [0.0] * len(learners)
     polls: set[float] = set()
     for i, lg in enumerate(cfg.learners):
         sync.register(lg.name, 0, 0.0)
@@ -148,10 +146,8 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
 
     def step_boundary(i: int, t: float) -> None:
         core = learners[i]
-        for frag, version, encoded in inbox[i]:
-            core.apply(frag, version, decode_tree(encoded))
-        inbox[i].clear()
-        if cfg.diloco.mode == "synchronous" and core.blocked_on():
+        core.apply_received()
+        if core.blocked_on():
             blocked[i] = True
             return
         blocked[i] = False
@@ -164,7 +160,6 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             i, dt = payload
             core, lg = learners[i], cfg.learners[i]
             core.train_step(*core.next_batch())
-            last_step_s[i] = dt
             sync.report(lg.name, core.incarnation, now, dt, core.cursor)
             for meta, delta in core.offers():
                 nbytes = sum(e.nbytes for e in delta.values())
@@ -179,7 +174,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             close_rounds(now)
         elif kind == "publish":
             j, frag, version, encoded = payload
-            inbox[j].append((frag, version, encoded))
+            learners[j].receive(frag, version, decode_tree(encoded))
             if blocked[j]:
                 step_boundary(j, now)
         tokens = sync.ledger.tokens_trained

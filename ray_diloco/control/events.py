@@ -88,10 +88,8 @@ def _decode(value: Any, hint: Any) -> Any:
         return {_decode(k, key_t): _decode(v, val_t) for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(value)
-    if hint is float:
-        return float(value)
-    if hint is int:
-        return int(value)
+    if hint in (float, int):
+        return hint(value)
     return value
 
 
@@ -239,8 +237,8 @@ class RunFinished(Event):
     reason: str
 
 
-# Decisions: returned by policies, executed by the supervisor; not tape entries themselves
-# (the supervisor records what it did as LearnerStateChanged / LearnerRestarted).
+# Decisions: returned by policies and executed by the supervisor, which records what it did
+# (LearnerStateChanged, LearnerRestarted); decisions themselves are not tape entries.
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ def test_identical_across_processes():
         # Different string-hash salts: a schedule keyed on hash() would differ between these.
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         res = subprocess.run(
-            [sys.executable, "-c", _CHILD], capture_output=True,
+            [sys.executable, "-c", _CHILD],
+            capture_output=True,
             text=True,
             env=env,
             cwd=ROOT,

@@ -38,10 +38,7 @@ def test_leaf_paths_match_config_and_nnx_module(cfg: ModelConfig) -> None:
     assert len(paths) == cfg.num_leaves == len(set(paths))
     # The hand-written layout must be exactly what NNX builds (shapes included).
     _, state = nnx.split(nnx.eval_shape(lambda: model._Transformer(cfg, nnx.Rngs(0))))
-    built = {
-        "/".join(str(k) for k, in [(p,) for p in path]): v.shape
-        for path, v in nnx.to_flat_state(state)
-    }
+    built = {"/".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
     assert built == model.leaf_shapes(cfg)
 
 
@@ -102,11 +99,9 @@ def test_causal_later_token_does_not_change_earlier_logits(params: dict[str, jax
 def test_tied_embeddings_use_the_embedding_table() -> None:
     p = model.init_params(TINY_TIED, 0)
     assert len(p) == TINY_TIED.num_leaves
-    tokens = _tokens(2)
-    base = model.apply(TINY_TIED, p, tokens)
-    # Scaling the table's row for byte 7 must change only how strongly byte 7 is predicted
-    # at the output, besides the inputs that are byte 7 (there are none here).
-    safe = jnp.where(tokens == 7, 8, tokens)
+    # logits = h @ embed.T: doubling byte 7's row doubles byte 7's logit and nothing else, as
+    # long as byte 7 is not among the inputs.
+    safe = jnp.where(_tokens(2) == 7, 8, _tokens(2))
     base = model.apply(TINY_TIED, p, safe)
     bumped = dict(p, **{"embed/embedding": p["embed/embedding"].at[7].multiply(2.0)})
     out = model.apply(TINY_TIED, bumped, safe)

@@ -1,0 +1,108 @@
+"""Helpers for Ray test fixtures: a clean Ray environment, free ports, emulated TPU/CPU hosts.
+
+TPU hosts are emulated the way ray-notes §1.5 measured: a `ray.cluster_utils.Cluster` node with
+`resources={"TPU": chips}` plus the GKE env vars (`TPU_ACCELERATOR_TYPE`, `TPU_NAME`,
+`TPU_WORKER_ID`, `TPU_TOPOLOGY`) and `RAY_NODE_REGION`, set only while `add_node` runs: Ray
+resolves resources and labels in the calling process and the raylet inherits the env, so the
+node gets `accelerator_type:TPU-V5P`, the slice resource, `TPU-<pod>-head` on worker 0 and the
+`ray.io/tpu-*` / `ray.io/availability-region` labels, and `ray.util.tpu` works unmodified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
+HOST_OBJECT_STORE_BYTES = 80 * 2**20
+
+
+def prepare_ray_env() -> None:
+    """Env every Ray test process needs (ray-notes §4): no token auth, no usage stats, and no
+    stale cluster address that would make `ray.init(num_cpus=...)` try to connect."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    remove_stale_cluster_address()
+
+
+def remove_stale_cluster_address() -> None:
+    """Delete /tmp/ray/ray_current_cluster unless its GCS still answers (another live test)."""
+    try:
+        address = RAY_CURRENT_CLUSTER.read_text().strip()
+    except OSError:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.2):
+            return
+    except (OSError, ValueError):
+        pass
+    with contextlib.suppress(OSError):
+        RAY_CURRENT_CLUSTER.unlink()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def add_tpu_host(
+    cluster: Any,
+    slice_name: str,
+    pod_type: str,
+    topology: str,
+    worker_id: int,
+    region: str,
+    *,
+    chips: int = 4,
+    num_cpus: int = 1,
+) -> Any:
+    """Add one emulated TPU host (a Ray node) of slice `slice_name` in `region`."""
+    env = {
+        "TPU_ACCELERATOR_TYPE": pod_type,
+        "TPU_NAME": slice_name,
+        "TPU_WORKER_ID": str(worker_id),
+        "TPU_TOPOLOGY": topology,
+        "RAY_NODE_REGION": region,
+    }
+    with _env(env):
+        return cluster.add_node(
+            num_cpus=num_cpus,
+            resources={"TPU": chips},
+            object_store_memory=HOST_OBJECT_STORE_BYTES,
+        )
+
+
+def add_cpu_host(cluster: Any, region: str, num_cpus: int = 1) -> Any:
+    """Add one CPU-only node labelled `ray.io/availability-region=region`."""
+    with _env({"RAY_NODE_REGION": region}):
+        return cluster.add_node(num_cpus=num_cpus, object_store_memory=HOST_OBJECT_STORE_BYTES)
+
+
+def node_labels(node_id: str) -> dict[str, str]:
+    """Labels of the (alive or dead) node `node_id` as the GCS reports them."""
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return dict(node.get("Labels") or {})
+    raise KeyError(f"node {node_id} not in ray.nodes()")

@@ -1,0 +1,153 @@
+"""Goodput and uptime accounting (algorithm.md section 9), against hand-computed numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_diloco.control.events import (
+    FailureDetected,
+    FailureKind,
+    LearnerRejoined,
+    LearnerRestarted,
+    LearnerState,
+    LearnerStateChanged,
+    RoundClosed,
+    RunStarted,
+    WorkLost,
+)
+from ray_diloco.control.goodput import compute_goodput, uptime
+
+S = LearnerState
+
+
+def change(t: float, state: LearnerState, learner: str = "a", inc: int = 0) -> LearnerStateChanged:
+    return LearnerStateChanged(t, learner, inc, state)
+
+
+def rounds(*ts: float) -> list[RoundClosed]:
+    return [RoundClosed(t, 0, i + 1, 1, 100) for i, t in enumerate(ts)]
+
+
+FAIL_AND_RECOVER = [
+    change(0.0, S.TRAINING),
+    change(10.0, S.DEAD),
+    change(15.0, S.RESTARTING, inc=1),
+    change(20.0, S.TRAINING, inc=1),
+]
+
+
+def test_always_training_is_full_goodput():
+    rep = compute_goodput([change(0.0, S.TRAINING)], end_t=100.0, uptime_window_s=10.0)
+    assert rep.goodput == 1.0
+    assert rep.allocated_s == rep.productive_s == 100.0
+
+
+def test_dead_and_restarting_time_is_allocated_but_not_productive():
+    rep = compute_goodput(FAIL_AND_RECOVER, end_t=40.0, uptime_window_s=10.0)
+    assert rep.goodput == pytest.approx(30.0 / 40.0)
+    b = rep.learners["a"]
+    assert b.seconds["training"] == 30.0
+    assert b.seconds["dead"] == 5.0
+    assert b.seconds["restarting"] == 5.0
+    assert b.seconds["compiling"] == 0.0
+    assert (b.allocated_s, b.productive_s) == (40.0, 30.0)
+
+
+def test_work_lost_subtracts_from_productive_only():
+    evs = [*FAIL_AND_RECOVER, WorkLost(15.0, "a", steps=60, seconds=6.0)]
+    rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
+    assert rep.productive_s == 24.0
+    assert rep.allocated_s == 40.0
+    assert rep.goodput == pytest.approx(24.0 / 40.0)
+    assert rep.learners["a"].work_lost_s == 6.0
+
+
+def test_gave_up_and_finished_time_is_not_allocated():
+    evs = [
+        change(0.0, S.TRAINING),
+        change(10.0, S.GAVE_UP),
+        change(0.0, S.COMPILING, "b"),
+        change(5.0, S.TRAINING, "b"),
+        change(25.0, S.FINISHED, "b"),
+    ]
+    rep = compute_goodput(evs, end_t=100.0, uptime_window_s=10.0)
+    assert rep.learners["a"].allocated_s == 10.0
+    assert rep.learners["b"].allocated_s == 25.0
+    assert rep.learners["b"].seconds["finished"] == 75.0
+    assert rep.goodput == pytest.approx(30.0 / 35.0)
+
+
+def test_learners_sum_and_late_joiner_starts_at_its_first_event():
+    evs = [
+        change(0.0, S.TRAINING),
+        LearnerRestarted(50.0, "b", incarnation=0, attempt=1, recovered_in_s=0.0),
+        change(60.0, S.COMPILING, "b"),
+        change(70.0, S.TRAINING, "b"),
+    ]
+    rep = compute_goodput(evs, end_t=100.0, uptime_window_s=10.0)
+    b = rep.learners["b"]
+    assert b.seconds["starting"] == 10.0  # before its first state change
+    assert b.allocated_s == 50.0
+    assert rep.goodput == pytest.approx((100.0 + 30.0) / (100.0 + 50.0))
+
+
+def test_order_and_horizon():
+    evs = [change(20.0, S.TRAINING, inc=1), change(0.0, S.TRAINING), change(10.0, S.DEAD)]
+    evs.append(change(50.0, S.DEAD))  # after end_t: ignored
+    rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
+    assert rep.learners["a"].seconds["training"] == 30.0
+    assert rep.learners["a"].seconds["dead"] == 10.0
+
+
+def test_no_learners():
+    rep = compute_goodput(rounds(1.0), end_t=10.0, uptime_window_s=5.0)
+    assert rep.goodput == 0.0
+    assert rep.learners == {}
+
+
+def test_uptime_with_a_gap():
+    # Windows of 10 s over [0, 100]: rounds in windows 0, 1, 2, 6, 9 -> 50 s up.
+    rep = compute_goodput(rounds(5, 15, 16, 25, 65, 95), end_t=100.0, uptime_window_s=10.0)
+    assert rep.uptime == pytest.approx(0.5)
+
+
+def test_uptime_window_edges_and_partial_window():
+    # [0, 95]: windows [0,10) ... [80,90), then the partial [90, 95].
+    assert uptime([10.0], 0.0, 95.0, 10.0) == pytest.approx(10.0 / 95.0)  # 10.0 opens window 1
+    assert uptime([1.0, 95.0], 0.0, 95.0, 10.0) == pytest.approx(15.0 / 95.0)  # end_t counts
+    assert uptime([1.0, 92.0], 0.0, 95.0, 10.0) == pytest.approx(15.0 / 95.0)
+    assert uptime([float(t) for t in range(0, 95, 3)], 0.0, 95.0, 10.0) == pytest.approx(1.0)
+    assert uptime([], 0.0, 95.0, 10.0) == 0.0
+    assert uptime([1.0], 5.0, 5.0, 10.0) == 0.0
+
+
+def test_uptime_starts_at_run_started():
+    evs = [RunStarted(20.0, "d"), *rounds(25.0, 5.0)]  # the round at 5 s is before the start
+    rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
+    assert rep.uptime == pytest.approx(0.5)
+
+
+def test_uptime_window_must_be_positive():
+    with pytest.raises(ValueError):
+        compute_goodput([], end_t=1.0, uptime_window_s=0.0)
+
+
+def test_recovery_times_per_failure_kind():
+    evs = [
+        change(0.0, S.TRAINING),
+        LearnerRejoined(1.0, "a", 0, {0: 1}, recovered_in_s=0.5),  # no failure yet: not recovery
+        change(10.0, S.DEAD),
+        FailureDetected(11.5, "a", FailureKind.CRASH, detection_s=1.5),
+        LearnerRestarted(14.5, "a", incarnation=1, attempt=1, recovered_in_s=3.0),
+        LearnerRejoined(18.5, "a", 1, {0: 3}, recovered_in_s=7.0),
+        FailureDetected(30.0, "a", FailureKind.PREEMPTION, detection_s=0.2),
+        FailureDetected(31.0, "b", FailureKind.CRASH, detection_s=2.5),
+    ]
+    rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
+    assert rep.num_failures == 3
+    crash = rep.recovery["crash"]
+    assert crash.detection_s == [1.5, 2.5]
+    assert crash.restarted_in_s == [3.0]
+    assert crash.rejoined_in_s == [7.0]
+    assert rep.recovery["preemption"].rejoined_in_s == []
+    assert rep.to_dict()["recovery"]["crash"]["detection_s"] == [1.5, 2.5]

@@ -1,0 +1,67 @@
+"""The layering rule (design.md): algorithm/ never imports ray; control/ imports neither ray
+nor jax. Checked in a fresh interpreter so other tests' imports cannot hide a violation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONTROL_MODULES = [
+    "ray_diloco.control.events",
+    "ray_diloco.control.policy",
+    "ray_diloco.control.chaos",
+    "ray_diloco.control.tape",
+    "ray_diloco.control.goodput",
+]
+
+_ALGORITHM_CHILD = """
+import importlib, json, pkgutil, sys
+import ray_diloco.algorithm as pkg
+imported, skipped = [], []
+for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+    try:
+        importlib.import_module(info.name)
+    except ModuleNotFoundError as err:
+        # A missing optional dependency (say jax on a bare machine) is not a layering
+        # violation, but an attempt to import ray is.
+        if err.name and (err.name == "ray" or err.name.startswith("ray.")):
+            raise
+        skipped.append(f"{info.name}: {err}")
+        continue
+    imported.append(info.name)
+json.dump({"imported": imported, "skipped": skipped, "modules": sorted(sys.modules)}, sys.stdout)
+"""
+
+
+def _run(code: str) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _top_level(modules: list[str], name: str) -> list[str]:
+    return [m for m in modules if m == name or m.startswith(name + ".")]
+
+
+def test_control_imports_neither_ray_nor_jax():
+    code = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in CONTROL_MODULES)
+        + "json.dump({'modules': sorted(sys.modules)}, sys.stdout)\n"
+    )
+    modules = _run(code)["modules"]
+    assert set(CONTROL_MODULES) <= set(modules)
+    assert _top_level(modules, "ray") == []
+    assert _top_level(modules, "jax") == []
+
+
+def test_algorithm_does_not_import_ray():
+    out = _run(_ALGORITHM_CHILD)
+    assert out["imported"], f"no algorithm module could be imported: {out['skipped']}"
+    assert _top_level(out["modules"], "ray") == [], out["imported"]
