@@ -210,7 +210,11 @@ class MetricsConfig(_Frozen):
 
 
 class GoodputSimConfig(_Frozen):
-    """Goodput simulation at scale (algorithm.md section 10; `ray-diloco simulate-goodput`)."""
+    """Goodput simulation at scale (algorithm.md section 10; `ray-diloco simulate-goodput`).
+
+    Recovery delays are heavy-tailed by default (lognormal): every distribution is set by its
+    median, so switching `recovery` keeps the typical delay and changes only the tail.
+    """
 
     chips: int = Field(1_200_000, ge=1)
     num_learners: int = Field(8, ge=1)
@@ -218,15 +222,46 @@ class GoodputSimConfig(_Frozen):
     mtbi_chip_days: float = Field(365.0, gt=0, description="mean time between interruptions")
     recovery: Literal["lognormal", "exponential", "pareto"] = "lognormal"
     recovery_median_s: float = Field(900.0, gt=0)
-    recovery_sigma: float = Field(1.0, gt=0, description="lognormal shape / pareto tail")
+    recovery_sigma: float = Field(1.0, gt=0, description="lognormal shape / pareto tail index")
     restart_cost_s: float = Field(600.0, ge=0, description="data-parallel restart from checkpoint")
+    checkpoint_interval_s: float = Field(
+        600.0, ge=0, description="data-parallel checkpoint period; 0: no work lost on a failure"
+    )
     reconfig_pause_s: float = Field(120.0, ge=0, description="elastic data-parallel re-mesh")
     learner_restart_s: float = Field(120.0, ge=0, description="one learner rejoining")
     round_period_s: float = Field(60.0, gt=0, description="time between two syncs of a fragment")
-    straggler_cv: float = Field(0.05, ge=0)
+    straggler_cv: float = Field(0.05, ge=0, description="std/mean of a learner's round time")
+    sync_time_s: float = Field(1.0, ge=0, description="virtual merge + publish time per round")
     quorum_min: int = Field(1, ge=1)
+    uptime_window_s: float | None = Field(
+        None, gt=0, description="uptime counts windows of this length; None: 2 x round_period_s"
+    )
     duration_days: float = Field(30.0, gt=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> GoodputSimConfig:
+        if self.recovery == "pareto" and self.recovery_sigma <= 1.0:
+            raise ValueError(
+                f"goodput_sim.recovery_sigma={self.recovery_sigma} is the pareto tail index; "
+                "at <= 1 the mean recovery time is infinite. Set goodput_sim.recovery_sigma=2"
+            )
+        if self.quorum_min > self.num_learners:
+            raise ValueError(
+                f"goodput_sim.quorum_min={self.quorum_min} exceeds goodput_sim.num_learners="
+                f"{self.num_learners}; no round could ever close. Lower goodput_sim.quorum_min"
+            )
+        if self.chips < self.num_learners * self.chips_per_slice:
+            raise ValueError(
+                f"goodput_sim.chips={self.chips} is less than one slice "
+                f"({self.chips_per_slice} chips) per learner for {self.num_learners} learners; "
+                "raise goodput_sim.chips or lower goodput_sim.chips_per_slice"
+            )
+        return self
+
+    @property
+    def uptime_window(self) -> float:
+        return self.uptime_window_s if self.uptime_window_s is not None else 2 * self.round_period_s
 
 
 class RunConfig(_Frozen):

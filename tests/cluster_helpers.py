@@ -15,10 +15,22 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 HOST_OBJECT_STORE_BYTES = 80 * 2**20
+# The emulated slices of tests/chaos: kind -> (slice name, pod type, topology, region).
+SLICES = {
+    "v5p": ("slice-v5p", "v5p-16", "2x2x2", "us-east5"),
+    "v6e": ("slice-v6e", "v6e-8", "2x4", "europe-west4"),
+}
+# A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s.
+FAST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
 
 
 def prepare_ray_env() -> None:
@@ -96,6 +108,20 @@ def add_cpu_host(cluster: Any, region: str, num_cpus: int = 1) -> Any:
     """Add one CPU-only node labelled `ray.io/availability-region=region`."""
     with _env({"RAY_NODE_REGION": region}):
         return cluster.add_node(num_cpus=num_cpus, object_store_memory=HOST_OBJECT_STORE_BYTES)
+
+
+class TpuCluster(NamedTuple):
+    """What the `tpu_cluster` fixture yields."""
+
+    cluster: Any  # ray.cluster_utils.Cluster
+    hosts: dict[tuple[str, int], Any]  # ("v5p", worker_id) -> ray._private.node.Node
+
+    def add_slice_host(self, kind: str, worker_id: int) -> Any:
+        """(Re-)add host `worker_id` of slice `kind` with its identity, e.g. after a removal."""
+        slice_name, pod_type, topology, region = SLICES[kind]
+        node = add_tpu_host(self.cluster, slice_name, pod_type, topology, worker_id, region)
+        self.hosts[(kind, worker_id)] = node
+        return node
 
 
 def node_labels(node_id: str) -> dict[str, str]:

@@ -76,6 +76,10 @@ def classify_ray_error(exc: BaseException) -> str:
     if isinstance(exc, rex.RayTaskError):
         cause = exc.cause
         if isinstance(cause, rex.RayError) and cause is not exc:
+            if type(cause) is rex.RayError:
+                # Ray could not pickle the inner error (ActorDiedError keeps a proto in its
+                # args) and replaced it by a RayError carrying the traceback text.
+                return NODE_LOST if _mentions_node_death(str(cause)) else CRASH
             return classify_ray_error(cause)
         return CRASH
     if isinstance(exc, PlacementTimeoutError):

@@ -181,17 +181,20 @@ def _reserve_tpu(
     version = _TPU_VERSIONS[lg.accelerator]
     topology = (lg.topology or "").strip().lower()
     chips_per_vm = _chips_per_vm(lg, version, topology)
-    n, bundle = get_tpu_worker_resources(
-        topology, version, resources_per_worker={"CPU": lg.cpus_per_host}, chips_per_vm=chips_per_vm
-    )
+    cpus = {"CPU": lg.cpus_per_host}
+    n, bundle = get_tpu_worker_resources(topology, version, cpus, chips_per_vm=chips_per_vm)
     if n != lg.num_hosts:
-        logger.info(
-            "learner %s: topology %s has %d hosts (config num_hosts=%d)",
-            lg.name,
-            topology,
-            n,
-            lg.num_hosts,
-        )
+        logger.info("learner %s: its %s slice has %d hosts", lg.name, topology, n)
+    spec: dict[str, Any] = {
+        "topology": topology,
+        "accelerator_version": version,
+        "resources_per_bundle": cpus,
+        "strategy": "SPREAD",
+        "name": name,
+        "lifetime": lifetime,
+        "chips_per_vm": chips_per_vm,
+    }
+    # Pin bundle i to worker i of the slice, so the host index is the JAX process id.
     base = [{WORKER_ID_LABEL: str(i)} if n > 1 else {} for i in range(n)]
     if lg.region != LOCAL_REGION:
         base = [{**sel, REGION_LABEL: lg.region} for sel in base]
@@ -203,10 +206,9 @@ def _reserve_tpu(
         for k, slice_name in enumerate(candidates):
             share = (deadline - time.monotonic()) / (len(candidates) - k)
             sel = [{**s, SLICE_LABEL: slice_name} for s in base] if slice_name else base
-            handle = _try_slice(lg, version, topology, chips_per_vm, sel, name, lifetime, share)
-            if handle is not None:
+            handle = _try_slice(lg.name, spec, sel, share)
+            if handle is not None and handle.placement_group is not None:
                 pg = handle.placement_group
-                assert pg is not None
                 env = {"JAX_PLATFORMS": "cpu"} if emulated else None
                 chips = {"TPU": float(bundle["TPU"])}
                 opts = tuple(_options(pg, i, bundle, env, chips) for i in range(n))
@@ -215,42 +217,28 @@ def _reserve_tpu(
                 )
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            break
+            raise PlacementTimeoutError(
+                _timeout_message(lg, timeout_s, n, bundle, version, topology)
+            )
         time.sleep(min(1.0, remaining))  # no intact slice in the region yet; nodes may join
-    raise PlacementTimeoutError(_timeout_message(lg, timeout_s, n, bundle, version, topology))
 
 
 def _try_slice(
-    lg: LearnerGroupConfig,
-    version: str,
-    topology: str,
-    chips_per_vm: int | None,
-    selectors: list[dict[str, str]],
-    name: str,
-    lifetime: str | None,
-    wait_s: float,
+    learner: str, spec: dict[str, Any], selectors: list[dict[str, str]], wait_s: float
 ) -> SlicePlacementGroup | None:
+    """One slice reservation attempt; None (and nothing left behind) if not ready in time."""
     started = time.monotonic()
     try:
         handle = SlicePlacementGroup(
-            topology=topology,
-            accelerator_version=version,
-            resources_per_bundle={"CPU": lg.cpus_per_host},
-            strategy="SPREAD",
-            name=name,
-            lifetime=lifetime,
-            chips_per_vm=chips_per_vm,
+            **spec,
             head_reservation_timeout_s=max(wait_s, 0.1),
             bundle_label_selector=selectors if any(selectors) else None,
         )
-    except TimeoutError:  # head PG not placed; Ray already removed the pending head PG
-        logger.info(
-            "learner %s: no free %s %s slice head in %.1f s", lg.name, version, topology, wait_s
-        )
+    except TimeoutError:  # no slice head free; Ray already removed its pending head PG
+        logger.info("learner %s: no free slice head within %.1f s", learner, wait_s)
         return None
     pg = handle.placement_group
-    assert pg is not None
-    if _wait_ready(pg, lg.name, started + wait_s):
+    if pg is not None and _wait_ready(pg, learner, started + wait_s):
         handle.release_head_pgs()  # the worker PG now holds the slice
         return handle
     handle.shutdown()
@@ -329,25 +317,35 @@ def _timeout_message(
     version: str | None = None,
     topology: str | None = None,
 ) -> str:
-    where = "any region" if lg.region == LOCAL_REGION else f"region {lg.region!r}"
+    """Say what is missing: hosts that fit the bundle in the region, per resource."""
+    local = lg.region == LOCAL_REGION
+    where = "the cluster" if local else f"region {lg.region!r}"
     nodes = [
-        node
+        node["Resources"]
         for node in _alive_nodes()
-        if lg.region == LOCAL_REGION or (node.get("Labels") or {}).get(REGION_LABEL) == lg.region
+        if local or (node.get("Labels") or {}).get(REGION_LABEL) == lg.region
     ]
-    big = [n_ for n_ in nodes if all(n_["Resources"].get(k, 0) >= v for k, v in bundle.items())]
-    need = f"{n} host(s) with {bundle} each in {where}"
+    fit = [r for r in nodes if all(r.get(k, 0) >= v for k, v in bundle.items())]
+    missing = [
+        f"no node has {v:g} {k} (largest: {max((r.get(k, 0) for r in nodes), default=0):g})"
+        for k, v in bundle.items()
+        if not any(r.get(k, 0) >= v for r in nodes)
+    ]
+    if not nodes:
+        missing = [f"no alive node in {where}" + ("" if local else " (RAY_NODE_REGION label)")]
+    elif not missing:
+        missing = [f"{len(fit)} node(s) fit one host when idle, {n} needed; others busy"]
+    need = f"{n} host(s) of {bundle}"
     if version:
-        found = _slices(version, topology or "", lg.region, n)
+        slices = _slices(version, topology or "", lg.region, n)
         need = (
-            f"one idle, intact TPU-{version.upper()} slice of topology {topology} ({need}); "
-            f"intact slices there: {found or 'none found by label'}"
+            f"one idle TPU-{version.upper()} {topology} slice ({need}); intact: {slices or 'none'}"
         )
+    available = {k: v for k, v in ray.available_resources().items() if "memory" not in k}
+    available = {k: v for k, v in available.items() if not k.startswith("node:")}
     return (
         f"learner {lg.name!r} ({lg.accelerator}, topology {lg.topology}, region {lg.region}): "
-        f"placement group not ready after {timeout_s:.1f} s. It needs {need}. "
-        f"The cluster has {len(nodes)} alive node(s) in {where}, {len(big)} of them large "
-        f"enough when idle; cluster-wide available now: {ray.available_resources()}. Add the "
-        "missing nodes/resources (check RAY_NODE_REGION on the hosts), free them, or lower "
-        "num_hosts/cpus_per_host."
+        f"placement group not ready after {timeout_s:.1f} s. Needs {need} in {where}; "
+        f"missing: {'; '.join(missing)}. Available now: {available}. Add or free those "
+        "resources, or lower num_hosts/cpus_per_host."
     )

@@ -9,6 +9,7 @@ actor both drive this class.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +22,7 @@ import optax
 from ray_diloco.algorithm import data, inner, wire
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
 from ray_diloco.algorithm.rounds import ContributionMeta
-from ray_diloco.config import LearnerGroupConfig, RunConfig
+from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, ModelConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,16 @@ def total_inner_steps(cfg: RunConfig, batch_size: int) -> int:
     the length of its learning-rate schedule."""
     total_batch = sum(lg.batch_size for lg in cfg.learners)
     return max(1, cfg.token_budget // (total_batch * cfg.model.seq_len))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_step(
+    model_cfg: ModelConfig, inner_cfg: InnerOptimizerConfig, total_steps: int
+) -> tuple[optax.GradientTransformation, inner.TrainStep]:
+    """One jitted step per configuration, shared by every learner in the process (the
+    reference run has M of them): XLA compiles once instead of M times."""
+    tx = inner.make_inner_optimizer(inner_cfg, total_steps)
+    return tx, inner.make_train_step(model_cfg, tx)
 
 
 class LearnerCore:
@@ -59,8 +70,7 @@ class LearnerCore:
         self.bounds = data.shard_bounds(len(train_tokens), shard_index, num_shards)
         self.tokens_per_step = learner.batch_size * cfg.model.seq_len
         steps = total_steps or total_inner_steps(cfg, learner.batch_size)
-        self.tx = inner.make_inner_optimizer(cfg.inner, steps)
-        self.step_fn = inner.make_train_step(cfg.model, self.tx)
+        self.tx, self.step_fn = _compiled_step(cfg.model, cfg.inner, steps)
         self.cursor = cursor
         # A restarted learner continues its schedule where its data cursor says it was.
         self.step = cursor // self.tokens_per_step

@@ -244,7 +244,12 @@ class RoundBook:
             return Verdict.EMPTY
         if not finite or (norm is not None and norm != norm):
             return Verdict.NON_FINITE
-        if norm is not None and len(frag.norms) >= max(1, self.policy.norm_guard_warmup_rounds):
+        # The warm-up counts closed rounds of this fragment, not stored norms: with M learners
+        # one round adds M norms, and norms still grow ~10x while the inner learning rate warms
+        # up, so counting norms rejected honest contributions in round 2 (and, in synchronous
+        # mode, left every learner blocked on a round that could never reach K = M).
+        warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
+        if norm is not None and warm and frag.norms:
             median = statistics.median(frag.norms)
             if median > 0 and norm > self.policy.norm_guard * median:
                 return Verdict.NORM_OUTLIER

@@ -2,44 +2,21 @@
 
 One cluster per test module (ray-notes §1.5, §4): a CPU-only head (1 CPU, no TPU: a TPU
 resource there would trigger GCE metadata lookups) with health checks tuned so a killed host
-is declared dead in about 1.5 s (ray-notes §3.3), two hosts of v5p slice "slice-v5p" (v5p-16,
-topology 2x2x2) in us-east5 and two 4-chip hosts of v6e slice "slice-v6e" (v6e-8, topology
-2x4) in europe-west4. Tests that remove a host put one back before they end.
+is declared dead in about 1.5 s, two hosts of v5p slice "slice-v5p" (v5p-16, topology 2x2x2)
+in us-east5 and two 4-chip hosts of v6e slice "slice-v6e" (v6e-8, topology 2x4) in
+europe-west4 (`tests.cluster_helpers.SLICES`). A test that removes a host adds it back
+(`tpu_cluster.add_slice_host`) before it ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
 
 import pytest
 
-from tests.cluster_helpers import add_tpu_host, prepare_ray_env
+from tests.cluster_helpers import FAST_HEALTH_CHECKS, SLICES, TpuCluster, prepare_ray_env
 
 NAMESPACE = "diloco-chaos"
-# name -> (slice name, pod type, topology, region)
-SLICES = {
-    "v5p": ("slice-v5p", "v5p-16", "2x2x2", "us-east5"),
-    "v6e": ("slice-v6e", "v6e-8", "2x4", "europe-west4"),
-}
-HEALTH_CHECK_CONFIG = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 500,
-    "health_check_timeout_ms": 1000,
-    "health_check_failure_threshold": 3,
-}
-
-
-class TpuCluster(NamedTuple):
-    cluster: Any  # ray.cluster_utils.Cluster
-    hosts: dict[tuple[str, int], Any]  # ("v5p", worker_id) -> ray._private.node.Node
-
-    def replace_host(self, kind: str, worker_id: int) -> Any:
-        """Re-add host `worker_id` of slice `kind` with the same identity (a rejoin)."""
-        slice_name, pod_type, topology, region = SLICES[kind]
-        node = add_tpu_host(self.cluster, slice_name, pod_type, topology, worker_id, region)
-        self.hosts[(kind, worker_id)] = node
-        return node
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +25,7 @@ def tpu_cluster() -> Iterator[TpuCluster]:
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # a previous module leaked its Ray; never reuse it
         ray.shutdown()
     cluster = Cluster(
         initialize_head=True,
@@ -56,19 +33,17 @@ def tpu_cluster() -> Iterator[TpuCluster]:
             "num_cpus": 1,
             "include_dashboard": False,
             "object_store_memory": 100 * 2**20,
-            "_system_config": HEALTH_CHECK_CONFIG,
+            "_system_config": FAST_HEALTH_CHECKS,
         },
     )
     try:
-        hosts = {}
-        for kind, (slice_name, pod_type, topology, region) in SLICES.items():
+        tpu = TpuCluster(cluster, {})
+        for kind in SLICES:
             for worker_id in range(2):
-                hosts[(kind, worker_id)] = add_tpu_host(
-                    cluster, slice_name, pod_type, topology, worker_id, region
-                )
+                tpu.add_slice_host(kind, worker_id)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace=NAMESPACE)
-        yield TpuCluster(cluster, hosts)
+        yield tpu
     finally:
         ray.shutdown()
         cluster.shutdown()

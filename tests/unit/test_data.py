@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -74,7 +75,9 @@ def test_heldout_never_empty(tmp_path: Path) -> None:
     (tmp_path / "x.txt").write_bytes(b"x" * 100)
     (tmp_path / "y.txt").write_bytes(b"y" * 100)
     assert not data.is_heldout("x.txt", 0.0001) and not data.is_heldout("y.txt", 0.0001)
-    cfg = DataConfig(paths=(str(tmp_path / "x.txt"), str(tmp_path / "y.txt")), heldout_fraction=1e-4)
+    cfg = DataConfig(
+        paths=(str(tmp_path / "x.txt"), str(tmp_path / "y.txt")), heldout_fraction=1e-4
+    )
     corpus = data.load_corpus(cfg, 0)
     assert bytes(corpus.heldout) == b"y" * 100 + b"\0"
     assert bytes(corpus.train) == b"x" * 100 + b"\0"
@@ -82,7 +85,9 @@ def test_heldout_never_empty(tmp_path: Path) -> None:
 
 def test_max_corpus_bytes_truncates(tmp_path: Path) -> None:
     _make_files(tmp_path)
-    corpus = data.load_corpus(DataConfig(paths=(f"{tmp_path}/**/*.txt",), max_corpus_bytes=10_000), 0)
+    corpus = data.load_corpus(
+        DataConfig(paths=(f"{tmp_path}/**/*.txt",), max_corpus_bytes=10_000), 0
+    )
     assert corpus.train.size + corpus.heldout.size == 10_000
 
 
@@ -102,7 +107,7 @@ def test_bad_paths_name_the_path_and_the_fix(tmp_path: Path) -> None:
 def test_shard_bounds_partition_the_stream() -> None:
     bounds = [data.shard_bounds(1003, i, 4) for i in range(4)]
     assert bounds[0][0] == 0 and bounds[-1][1] == 1003
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
     with pytest.raises(ValueError):
         data.shard_bounds(1003, 4, 4)
@@ -155,8 +160,11 @@ def test_heldout_batches_fixed_and_in_bounds() -> None:
     assert all(x.shape == y.shape == (SYNTH.eval_batch_size, 16) for x, y in batches)
     again = data.heldout_batches(corpus, SYNTH, 16)
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
-    held = bytes(corpus.heldout)
+    # Window k starts at k * (M - T) // count: evenly spread, the last one ending inside.
+    count, m = SYNTH.eval_batches * SYNTH.eval_batch_size, corpus.heldout.size
     x, y = batches[-1]
-    assert bytes(np.concatenate([x[-1], y[-1, -1:]]).astype(np.uint8)) in held
-    # Evenly spread: the first and last windows are far apart in the stream.
-    assert held.find(bytes(x[-1].astype(np.uint8))) > corpus.heldout.size // 2
+    last = (count - 1) * (m - 16) // count
+    assert m // 2 < last and last + 17 <= m
+    np.testing.assert_array_equal(x[-1], corpus.heldout[last : last + 16])
+    np.testing.assert_array_equal(y[-1], corpus.heldout[last + 1 : last + 17])
+    np.testing.assert_array_equal(batches[0][0][0], corpus.heldout[:16])

@@ -13,6 +13,9 @@ from ray_diloco.config import ModelConfig
 
 TINY = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, seq_len=16)
 TINY_TIED = TINY.model_copy(update={"tie_embeddings": True})
+# Jitted with the (frozen, hashable) config static: proves apply is jittable, and one compile per
+# shape is much faster than running NNX op by op on CPU.
+apply = jax.jit(model.apply, static_argnums=0)
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +77,27 @@ def test_init_deterministic_and_scaled(params: dict[str, jax.Array]) -> None:
     o_std = float(np.std(params["blocks/0/attn/o/kernel"]))
     assert 0.015 < q_std < 0.025
     assert o_std < 0.7 * q_std  # residual-branch outputs start smaller
-    assert model.num_params(params) == sum(int(np.prod(s)) for s in model.leaf_shapes(TINY).values())
+    assert model.num_params(params) == sum(
+        int(np.prod(s)) for s in model.leaf_shapes(TINY).values()
+    )
 
 
-def test_apply_shapes_and_jit_equivalence(params: dict[str, jax.Array]) -> None:
+def test_apply_shapes_and_purity(params: dict[str, jax.Array]) -> None:
     tokens = _tokens(0)
-    eager = model.apply(TINY, params, tokens)
-    jitted = jax.jit(lambda p, x: model.apply(TINY, p, x))(params, tokens)
-    assert eager.shape == (2, TINY.seq_len, TINY.vocab_size)
-    assert eager.dtype == jnp.float32
-    np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-5)
-    assert model.apply(TINY, params, tokens[:, :5]).shape == (2, 5, TINY.vocab_size)
+    logits = apply(TINY, params, tokens)
+    assert logits.shape == (2, TINY.seq_len, TINY.vocab_size)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_array_equal(logits, apply(TINY, dict(params), tokens))
+    # A shorter sequence uses the first rows of the position table: same logits as a prefix.
+    short = apply(TINY, params, tokens[:, :5])
+    np.testing.assert_allclose(short, logits[:, :5], rtol=1e-5, atol=1e-5)
 
 
 def test_causal_later_token_does_not_change_earlier_logits(params: dict[str, jax.Array]) -> None:
     tokens = _tokens(1)
     changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 256)
-    a = np.asarray(model.apply(TINY, params, tokens))
-    b = np.asarray(model.apply(TINY, params, changed))
+    a = np.asarray(apply(TINY, params, tokens))
+    b = np.asarray(apply(TINY, params, changed))
     np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-6, atol=1e-6)
     assert np.abs(a[:, 10:] - b[:, 10:]).max() > 1e-4
 
@@ -102,9 +108,9 @@ def test_tied_embeddings_use_the_embedding_table() -> None:
     # logits = h @ embed.T: doubling byte 7's row doubles byte 7's logit and nothing else, as
     # long as byte 7 is not among the inputs.
     safe = jnp.where(_tokens(2) == 7, 8, _tokens(2))
-    base = model.apply(TINY_TIED, p, safe)
+    base = apply(TINY_TIED, p, safe)
     bumped = dict(p, **{"embed/embedding": p["embed/embedding"].at[7].multiply(2.0)})
-    out = model.apply(TINY_TIED, bumped, safe)
+    out = apply(TINY_TIED, bumped, safe)
     np.testing.assert_allclose(out[..., 7], 2.0 * base[..., 7], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out[..., :7], base[..., :7], rtol=1e-6, atol=1e-6)
 

@@ -155,12 +155,27 @@ def test_numerical_guards():
     book = book_with(["a"], policy(norm_guard=10.0, norm_guard_warmup_rounds=3))
     assert book.offer(meta("a"), now=0, finite=False) is Verdict.NON_FINITE
     assert book.offer(meta("a"), now=0, outer_grad_norm=float("nan")) is Verdict.NON_FINITE
-    # before the warm-up any norm passes; afterwards 10x the median is rejected
-    for n in (1.0, 2.0, 50.0):
-        assert book.offer(meta("a"), now=0, outer_grad_norm=n) is Verdict.ACCEPTED
-    assert book.offer(meta("a"), now=0, outer_grad_norm=19.9) is Verdict.ACCEPTED
-    assert book.offer(meta("a"), now=0, outer_grad_norm=1e6) is Verdict.NORM_OUTLIER
-    assert book.offer(meta("a", steps=0), now=0) is Verdict.EMPTY
+    # before the warm-up (3 closed rounds) any norm passes; afterwards 10x the median is
+    # rejected
+    for version, n in enumerate((1.0, 2.0, 50.0)):
+        assert book.offer(meta("a", base=version), now=0, outer_grad_norm=n) is Verdict.ACCEPTED
+        (close,) = book.poll(now=20.0)
+        book.commit(close, sync_time_s=0.0, now=20.0)
+    assert book.offer(meta("a", base=3), now=0, outer_grad_norm=1e6) is Verdict.NORM_OUTLIER
+    assert book.offer(meta("a", base=3), now=0, outer_grad_norm=19.9) is Verdict.ACCEPTED
+    assert book.offer(meta("a", base=3, steps=0), now=0) is Verdict.EMPTY
+
+
+def test_norm_guard_warm_up_counts_rounds_not_contributions():
+    # Four learners fill the norm history in one round; round 2's norms are still far larger
+    # (the inner learning rate warms up). Before the warm-up is over, all of them are accepted.
+    book = book_with(["a", "b", "c", "d"], policy(norm_guard_warmup_rounds=2))
+    for n in "abcd":
+        assert book.offer(meta(n), now=0, outer_grad_norm=0.01) is Verdict.ACCEPTED
+    (close,) = book.poll(now=0.0)
+    book.commit(close, sync_time_s=0.0, now=0.0)
+    for n in "abcd":
+        assert book.offer(meta(n, base=1), now=0, outer_grad_norm=1.0) is Verdict.ACCEPTED
 
 
 def test_abort_returns_contributions_and_state_round_trips():

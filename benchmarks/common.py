@@ -1,0 +1,49 @@
+"""Shared plumbing for the benchmark scripts: where results go and how they are written.
+
+Each benchmark prints a table, writes `<name>.json` and a dated `<name>-YYYY-MM-DD.md` under
+`benchmarks/results/` (or `--out`), with the command line and the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from ray_diloco.report import markdown_table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="smoke setting, under two minutes")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for JSON/markdown/PNG")
+    return p
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+
+
+def write_results(
+    out: Path, name: str, rows: list[dict[str, Any]], columns: list[str], meta: dict[str, Any]
+) -> Path:
+    """Print the table and write JSON + dated markdown; returns the markdown path."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python " + " ".join([f"benchmarks/{name}.py", *sys.argv[1:]])
+    meta = {"command": command, "machine": machine(), "date": dt.date.today().isoformat(), **meta}
+    table = markdown_table(rows, columns)
+    print(table)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    md = out / f"{name}-{meta['date']}.md"
+    md.write_text(
+        f"# {name}\n\nCommand: `{command}`  \nMachine: {meta['machine']}  \n"
+        f"Date: {meta['date']}\n\n{table}\n"
+    )
+    return md

@@ -1,0 +1,120 @@
+"""Quality at equal tokens: held-out loss of data-parallel, synchronous DiLoCo and Decoupled
+DiLoCo variants with heterogeneous learners (two 18% slower, 10% per-step jitter), all on the
+in-process reference run (`ray_diloco.algorithm.simulate`), which is deterministic for a seed.
+
+    python benchmarks/quality.py            # jobs/reference.yaml, 2M tokens per variant
+    python benchmarks/quality.py --quick    # tiny model, smoke check
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from common import parser, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from ray_diloco.algorithm.simulate import run_reference
+from ray_diloco.config import load_config
+
+CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
+QUICK = [
+    "token_budget=60000",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.d_ff=64",
+    "diloco.sync_every=8",
+    "diloco.num_fragments=8",
+    "data.eval_batches=2",
+]
+VARIANTS: dict[str, list[str]] = {
+    "data_parallel": ["diloco.mode=data_parallel"],
+    "synchronous": ["diloco.mode=synchronous"],
+    "decoupled K=M": ["diloco.quorum_min=4"],
+    "decoupled K=1 no grace": ["diloco.grace_fraction=0"],
+    "decoupled K=1 grace": [],
+    "decoupled K=1 grace, mean merge": ["diloco.merge=mean"],
+    "decoupled K=1 grace, int4 wire": ["diloco.wire_dtype=int4"],
+}
+
+
+def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
+    cfg = load_config(
+        CONFIG, [*(QUICK if quick else []), *overrides, f"run_dir=/tmp/quality/{name}"]
+    )
+    t0 = time.perf_counter()
+    s = run_reference(cfg)
+    return {
+        "variant": name,
+        "heldout_loss": s["heldout_loss"],
+        "tokens": s["tokens"],
+        "rounds": s.get("rounds", 0),
+        "mean_contributors": s.get("mean_contributors", 0.0),
+        "bytes_per_token": s["bytes_per_token"],
+        "dp_bytes_per_token": s["dp_bytes_per_token"],
+        "wall_s": time.perf_counter() - t0,
+        "evals": s["evals"],
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.plot(
+            [e["tokens"] for e in r["evals"]],
+            [e["heldout_loss"] for e in r["evals"]],
+            label=r["variant"],
+        )
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("held-out loss (global parameters)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", help="subset of variants")
+    args = p.parse_args()
+    rows = []
+    for name, overrides in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        rows.append(run_variant(name, overrides, args.quick))
+        print(
+            f"{name}: heldout {rows[-1]['heldout_loss']:.4f} ({rows[-1]['wall_s']:.0f}s)",
+            flush=True,
+        )
+    dp = next((r["heldout_loss"] for r in rows if r["variant"] == "data_parallel"), None)
+    for r in rows:
+        r["vs_data_parallel"] = (r["heldout_loss"] / dp - 1) if dp else None
+    name = "quality-quick" if args.quick else "quality"
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(rows, args.out / f"{name}.png")
+    columns = [
+        "variant",
+        "heldout_loss",
+        "vs_data_parallel",
+        "rounds",
+        "mean_contributors",
+        "bytes_per_token",
+        "dp_bytes_per_token",
+        "wall_s",
+    ]
+    write_results(
+        args.out,
+        name,
+        [{k: v for k, v in r.items() if k != "evals"} | {"evals": r["evals"]} for r in rows],
+        columns,
+        {"config": str(CONFIG.name), "quick": args.quick},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Top level: `ray-diloco simulate-goodput`, the goodput simulator at scale (algorithm.md
+section 10) from the command line.
+
+  ray-diloco simulate-goodput --chips 1200000 --learners 8          one cluster, every system
+  ray-diloco simulate-goodput --sweep --days 30 --out runs/goodput  150k..2.4M chips x M=2..16
+
+Settings come from the `goodput_sim` section of the run config (`--config`, `--set`); the
+convenience flags are shorthands for `--set goodput_sim.<field>=...`. `--chips` and
+`--learners` take several values to sweep over them. Prints a markdown table; `--out DIR`
+writes goodput.json, goodput.md and goodput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ray_diloco.algorithm.goodput_sim import simulate
+from ray_diloco.algorithm.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, sweep
+from ray_diloco.config import ConfigError, RunConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ray-diloco simulate-goodput",
+        description="Goodput and uptime of data-parallel, elastic data-parallel and Decoupled "
+        "DiLoCo on one simulated failure trace.",
+    )
+    p.add_argument("--config", help="YAML run config; its goodput_sim section is used")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. goodput_sim.recovery=pareto (repeatable)",
+    )
+    p.add_argument("--chips", type=int, nargs="+", help="cluster size(s) in chips")
+    p.add_argument("--learners", type=int, nargs="+", help="decoupled learner count(s), M")
+    p.add_argument("--days", type=float, help="simulated duration in days")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"sweep chips {list(CHIPS)} x learners {list(LEARNERS)} "
+        "(or the values given to --chips / --learners)",
+    )
+    p.add_argument("--out", type=Path, help="directory for goodput.json, .md and .png")
+    return p
+
+
+def _load(args: argparse.Namespace) -> RunConfig:
+    overrides = list(args.set)
+    # Single values go through the config so they are validated like any other setting.
+    if args.chips and len(args.chips) == 1:
+        overrides.append(f"goodput_sim.chips={args.chips[0]}")
+    if args.learners and len(args.learners) == 1 and not args.sweep:
+        overrides.append(f"goodput_sim.num_learners={args.learners[0]}")
+    if args.days is not None:
+        overrides.append(f"goodput_sim.duration_days={args.days}")
+    return load_config(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> tuple[RunConfig, list[Row], float]:
+    cfg = _load(args)
+    gs = cfg.goodput_sim
+    t0 = time.perf_counter()
+    if (
+        args.sweep
+        or (args.chips and len(args.chips) > 1)
+        or (args.learners and len(args.learners) > 1)
+    ):
+        chips = tuple(args.chips) if args.chips else CHIPS
+        learners = tuple(args.learners) if args.learners else LEARNERS
+        too_small = [n for n in chips if n < max(learners) * gs.chips_per_slice]
+        if too_small:
+            raise ConfigError(
+                f"--chips {too_small}: fewer than one slice ({gs.chips_per_slice} chips) per "
+                f"learner for M={max(learners)}; raise --chips or lower goodput_sim.chips_per_slice"
+            )
+        rows = sweep(gs, chips, learners, cfg.diloco, cfg.synchronizer)
+    else:
+        rows = [asdict(r) for r in simulate(gs, cfg.diloco, cfg.synchronizer)]
+    return cfg, rows, time.perf_counter() - t0
+
+
+def _write(
+    out: Path, argv: list[str], cfg: RunConfig, rows: list[Row], table: str, wall_s: float
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["ray-diloco", "simulate-goodput", *argv])
+    (out / "goodput.json").write_text(
+        json.dumps(
+            {
+                "goodput_sim": cfg.goodput_sim.model_dump(mode="json"),
+                "wall_s": wall_s,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+    (out / "goodput.md").write_text(
+        f"{table}\n{cfg.goodput_sim.duration_days:g} simulated days, {wall_s:.1f} s wall.\n\n"
+        f"```\n{command}\n```\n"
+    )
+    plot(rows, out / "goodput.png")
+
+
+def simulate_goodput_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    try:
+        cfg, rows, wall_s = run(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    table = format_table(rows)
+    gs = cfg.goodput_sim
+    print(table)
+    print(
+        f"{gs.duration_days:g} simulated days, mtbi {gs.mtbi_chip_days:g} chip-days, "
+        f"{gs.recovery} recovery (median {gs.recovery_median_s:g} s), seed {gs.seed}: "
+        f"{wall_s:.1f} s wall"
+    )
+    if args.out is not None:
+        _write(args.out, argv, cfg, rows, table, wall_s)
+        print(f"wrote {args.out}/goodput.json, goodput.md, goodput.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(simulate_goodput_main())

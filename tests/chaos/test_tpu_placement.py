@@ -1,0 +1,138 @@
+"""Emulated TPU slices in two regions: learner groups land on the right hosts, host loss shows."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import ray
+import ray.util.tpu
+from ray import exceptions as rex
+
+from ray_diloco.actors.errors import PlacementTimeoutError, classify_ray_error
+from ray_diloco.actors.resources import (
+    REGION_LABEL,
+    SLICE_LABEL,
+    WORKER_ID_LABEL,
+    LearnerPlacement,
+    host_options,
+    placement_state,
+    region_options,
+    release,
+    reserve_learner_group,
+)
+from ray_diloco.config import LearnerGroupConfig
+from tests.cluster_helpers import SLICES, TpuCluster, node_labels
+
+pytestmark = pytest.mark.chaos
+
+GROUPS = {
+    "v5p": LearnerGroupConfig(
+        name="v5p-a", accelerator="tpu-v5p", topology="2x2x2", region="us-east5", batch_size=8
+    ),
+    "v6e": LearnerGroupConfig(
+        name="v6e-a", accelerator="tpu-v6e", topology="2x4", region="europe-west4", batch_size=8
+    ),
+}
+
+
+# Decorated in place: the module then holds the ActorClass, not the class, so Ray pickles
+# the class by value (workers cannot import pytest's test modules by name).
+@ray.remote(num_cpus=0, max_restarts=0)
+class _HostProbe:
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "visible_chips": os.environ.get("TPU_VISIBLE_CHIPS"),
+            "worker_id": os.environ.get("TPU_WORKER_ID"),
+            "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+            "pod_name": ray.util.tpu.get_current_pod_name(),
+        }
+
+
+HostProbe: Any = _HostProbe  # Any: Ray's actor typing needs @ray.method on each method
+
+
+def _start_hosts(placement: LearnerPlacement) -> list[Any]:
+    return [
+        HostProbe.options(**host_options(placement, i)).remote() for i in range(placement.num_hosts)
+    ]
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"condition not met in {timeout_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_region_options_place_an_actor_in_its_region(tpu_cluster: TpuCluster) -> None:
+    probe = HostProbe.options(**region_options("europe-west4")).remote()
+    info = ray.get(probe.info.remote(), timeout=30)
+    assert node_labels(info["node_id"])[REGION_LABEL] == "europe-west4"
+    ray.kill(probe)
+
+
+@pytest.mark.timeout(60)
+def test_tpu_groups_land_on_their_slices(tpu_cluster: TpuCluster) -> None:
+    placements = {
+        kind: reserve_learner_group(lg, name_prefix="chaos", timeout_s=30, emulated=True)
+        for kind, lg in GROUPS.items()
+    }
+    try:
+        for kind, placement in placements.items():
+            slice_name, _, _, region = SLICES[kind]
+            assert placement.num_hosts == 2 and placement_state(placement) == "CREATED"
+            assert placement.bundle_resources == {"CPU": 1.0, "TPU": 4}
+            actors = _start_hosts(placement)
+            infos = ray.get([a.info.remote() for a in actors], timeout=30)
+            assert len({i["node_id"] for i in infos}) == 2, "hosts must be distinct nodes"
+            for index, info in enumerate(infos):
+                labels = node_labels(info["node_id"])
+                assert labels[SLICE_LABEL] == slice_name and labels[REGION_LABEL] == region
+                # bundle index == TPU worker id == JAX process id
+                assert info["worker_id"] == labels[WORKER_ID_LABEL] == str(index)
+                assert info["visible_chips"] == "0,1,2,3"
+                assert info["jax_platforms"] == "cpu"
+                assert info["pod_name"] == slice_name
+            for a in actors:
+                ray.kill(a)
+    finally:
+        for placement in placements.values():
+            release(placement)
+    assert {placement_state(p) for p in placements.values()} == {"REMOVED"}
+
+
+@pytest.mark.timeout(60)
+def test_tpu_group_in_a_region_without_that_slice_times_out(tpu_cluster: TpuCluster) -> None:
+    lg = GROUPS["v5p"].model_copy(update={"region": "europe-west4"})
+    with pytest.raises(PlacementTimeoutError) as info:
+        reserve_learner_group(lg, name_prefix="chaos", timeout_s=1.5)
+    message = str(info.value)
+    assert "TPU-V5P 2x2x2" in message and "europe-west4" in message
+
+
+@pytest.mark.timeout(60)
+def test_losing_a_host_leaves_created_and_a_rejoin_restores_it(tpu_cluster: TpuCluster) -> None:
+    placement = reserve_learner_group(GROUPS["v5p"], name_prefix="chaos", timeout_s=30)
+    try:
+        actors = _start_hosts(placement)
+        ray.get([a.info.remote() for a in actors], timeout=30)
+        tpu_cluster.cluster.remove_node(tpu_cluster.hosts[("v5p", 1)], allow_graceful=False)
+        _wait_until(lambda: placement_state(placement) != "CREATED", timeout_s=20)
+        assert placement_state(placement) in {"RESCHEDULING", "PENDING"}
+        with pytest.raises(rex.RayActorError) as lost:
+            ray.get(actors[1].info.remote(), timeout=20)
+        assert classify_ray_error(lost.value) == "node_lost", str(lost.value)
+        ray.get(actors[0].info.remote(), timeout=10)  # the surviving host still answers
+        tpu_cluster.add_slice_host("v5p", 1)
+        _wait_until(lambda: placement_state(placement) == "CREATED", timeout_s=30)
+        for a in actors:
+            ray.kill(a)
+    finally:
+        release(placement)
