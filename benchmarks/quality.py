@@ -12,14 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from common import parser, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
+
+from common import parser, write_results  # benchmarks/ is on sys.path when run as a script
 
 CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
 QUICK = [
@@ -62,7 +60,8 @@ def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for r in rows:
         ax.plot(
             [e["tokens"] for e in r["evals"]],
@@ -75,7 +74,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:

@@ -147,7 +147,9 @@ class LearnerCore:
         return x, y
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
-        self.params, self.opt_state, loss = self.step_fn(self.params, self.opt_state, x, y)
+        self.params, self.opt_state, loss = self.step_fn(
+            self.params, self.opt_state, jnp.asarray(x), jnp.asarray(y)
+        )
         self.step += 1
         self.cursor += self.tokens_per_step
         for p in range(self.plan.num_fragments):

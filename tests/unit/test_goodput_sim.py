@@ -158,7 +158,8 @@ def test_decoupled_drives_the_real_roundbook():
     # K = 1, yet some rounds merged several learners: the grace window let them in.
     assert sim.book.policy.quorum_min == 1
     assert max(sim.round_sizes) > 1
-    assert sum(n * c for n, c in sim.round_sizes.items()) == sum(sim.verdicts.values())
+    merged, offered = sum(n * c for n, c in sim.round_sizes.items()), sum(sim.verdicts.values())
+    assert offered - cfg.num_learners <= merged <= offered  # at most one pending per learner
     # Dead learners stopped reporting, so live() dropped them; those up at the end are live.
     live = sim.book.live(trace.duration_s)
     timeout = sim.book.policy.heartbeat_timeout_s
