@@ -160,6 +160,7 @@ class SynchronizerConfig(_Frozen):
 
 class SupervisorConfig(_Frozen):
     heartbeat_timeout_s: float = Field(2.0, gt=0)
+    startup_timeout_s: float = Field(60.0, gt=0, description="a new incarnation's first answer")
     poll_interval_s: float = Field(0.25, gt=0)
     restart_backoff_s: float = Field(0.5, ge=0)
     restart_backoff_max_s: float = Field(10.0, ge=0)

@@ -1,0 +1,189 @@
+"""Layer: control (pure Python; no Ray, no JAX). The supervisor's controller.
+
+Observations go in (a learner answered its heartbeat, a heartbeat call failed with a classified
+failure, a restarted learner contributed again), commands and tape events come out. The
+supervisor actor only executes the commands: it never decides. Time is the caller's, so the
+same controller runs under tests on a hand-driven clock.
+
+Per learner: training --(no heartbeat for heartbeat_timeout_s | error)--> dead: the old
+incarnation is fenced (`KillLearner`), the policy decides; Restart -> restarting until the
+backoff expires (`StartLearner` with incarnation + 1) -> starting -> training again when it
+answers; once the synchronizer merges a contribution from the new incarnation, it has rejoined.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ray_diloco.config import SupervisorConfig
+from ray_diloco.control.events import (
+    Event,
+    FailureDetected,
+    FailureKind,
+    GiveUp,
+    LearnerRejoined,
+    LearnerRestarted,
+    LearnerState,
+    LearnerStateChanged,
+    Restart,
+)
+from ray_diloco.control.policy import RestartPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KillLearner:
+    """Fence an incarnation: kill every host actor of the learner's group."""
+
+    learner: str
+    incarnation: int
+    rebuild_group: bool
+
+
+@dataclass(frozen=True)
+class StartLearner:
+    learner: str
+    incarnation: int
+
+
+Command = KillLearner | StartLearner
+
+
+@dataclass
+class _Watch:
+    incarnation: int = 0
+    state: LearnerState = LearnerState.STARTING
+    last_seen_s: float = 0.0
+    detected_s: float | None = None
+    restart_at_s: float | None = None
+    restarted_s: float | None = None
+    attempt: int = 0
+
+
+class Supervision:
+    def __init__(self, cfg: SupervisorConfig, learners: list[str], now: float) -> None:
+        self.cfg = cfg
+        self.policy = RestartPolicy(cfg)
+        self.watches = {name: _Watch(last_seen_s=now) for name in learners}
+
+    def incarnation(self, learner: str) -> int:
+        return self.watches[learner].incarnation
+
+    # -- observations -------------------------------------------------------------------------
+
+    def heartbeat(self, learner: str, incarnation: int, now: float) -> list[Event]:
+        """A host of the learner answered. Returns the state change, if any."""
+        w = self.watches[learner]
+        if incarnation != w.incarnation or w.state in _DOWN:
+            return []  # a fenced process answering late changes nothing
+        w.last_seen_s = now
+        if w.state is LearnerState.TRAINING:
+            return []
+        w.state = LearnerState.TRAINING
+        return [LearnerStateChanged(now, learner, incarnation, LearnerState.TRAINING, "heartbeat")]
+
+    def failed(
+        self, learner: str, incarnation: int, failure: FailureKind, now: float, detail: str = ""
+    ) -> tuple[list[Event], list[Command]]:
+        """A heartbeat call failed (the actors layer classified the Ray error)."""
+        w = self.watches[learner]
+        if incarnation != w.incarnation or w.state in _DOWN:
+            return [], []
+        return self._detect(learner, failure, now, detail)
+
+    def contributed(
+        self, learner: str, incarnation: int, now: float, versions: dict[int, int]
+    ) -> list[Event]:
+        """The synchronizer merged work of this incarnation: a restarted learner has rejoined."""
+        w = self.watches[learner]
+        if incarnation != w.incarnation or w.restarted_s is None or w.detected_s is None:
+            return []
+        event = LearnerRejoined(now, learner, incarnation, versions, now - w.detected_s)
+        w.restarted_s = None
+        w.attempt = 0
+        self.policy.record_healthy(learner, now)
+        return [event]
+
+    def finished(self, learner: str, now: float) -> list[Event]:
+        w = self.watches[learner]
+        w.state = LearnerState.FINISHED
+        return [LearnerStateChanged(now, learner, w.incarnation, LearnerState.FINISHED, "budget")]
+
+    # -- the clock ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> tuple[list[Event], list[Command]]:
+        """Detect silent learners and start the restarts whose backoff expired."""
+        events: list[Event] = []
+        commands: list[Command] = []
+        for name, w in self.watches.items():
+            silent = now - w.last_seen_s
+            timeout = (
+                self.cfg.startup_timeout_s
+                if w.state is LearnerState.STARTING
+                else self.cfg.heartbeat_timeout_s
+            )
+            if w.state in _LIVE and silent > timeout:
+                # Silent but not dead to Ray: a hung or partitioned host (SIGSTOP, lost link).
+                e, c = self._detect(name, FailureKind.HANG, now, f"silent for {silent:.1f}s")
+                events += e
+                commands += c
+            elif w.state is LearnerState.RESTARTING and now >= (w.restart_at_s or now):
+                events += self._start(name, w, now)
+                commands.append(StartLearner(name, w.incarnation))
+        return events, commands
+
+    def _detect(
+        self, learner: str, failure: FailureKind, now: float, detail: str
+    ) -> tuple[list[Event], list[Command]]:
+        w = self.watches[learner]
+        detection_s = now - w.last_seen_s
+        w.detected_s = now
+        decision = self.policy.decide(learner, failure, now)
+        events: list[Event] = [
+            FailureDetected(now, learner, failure, detection_s, detail),
+            LearnerStateChanged(now, learner, w.incarnation, LearnerState.DEAD, failure.value),
+        ]
+        # A learner given up on is fenced as a whole; a restart says what it needs.
+        rebuild = decision.rebuild_group if isinstance(decision, Restart) else True
+        commands: list[Command] = [KillLearner(learner, w.incarnation, rebuild)]
+        if isinstance(decision, GiveUp):
+            w.state = LearnerState.GAVE_UP
+            events.append(
+                LearnerStateChanged(
+                    now, learner, w.incarnation, LearnerState.GAVE_UP, decision.reason
+                )
+            )
+            log.warning("giving up on learner %s: %s", learner, decision.reason)
+            return events, commands
+        assert isinstance(decision, Restart)
+        w.state = LearnerState.RESTARTING
+        w.restart_at_s = now + decision.delay_s
+        w.attempt = decision.attempt
+        events.append(
+            LearnerStateChanged(
+                now, learner, w.incarnation, LearnerState.RESTARTING, decision.reason
+            )
+        )
+        return events, commands
+
+    def _start(self, learner: str, w: _Watch, now: float) -> list[Event]:
+        w.incarnation += 1
+        w.state = LearnerState.STARTING
+        w.restart_at_s = None
+        w.restarted_s = now
+        w.last_seen_s = now  # the new incarnation gets a full timeout to come up
+        assert w.detected_s is not None
+        return [
+            LearnerRestarted(now, learner, w.incarnation, w.attempt, now - w.detected_s),
+            LearnerStateChanged(now, learner, w.incarnation, LearnerState.STARTING, "restart"),
+        ]
+
+
+_LIVE = frozenset(
+    {LearnerState.STARTING, LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLOCKED}
+)
+_DOWN = frozenset(
+    {LearnerState.DEAD, LearnerState.RESTARTING, LearnerState.GAVE_UP, LearnerState.FINISHED}
+)

@@ -1,0 +1,76 @@
+"""The supervisor's pure controller on a hand-driven clock."""
+
+from __future__ import annotations
+
+from ray_diloco.config import SupervisorConfig
+from ray_diloco.control.events import (
+    FailureDetected,
+    FailureKind,
+    LearnerRejoined,
+    LearnerRestarted,
+    LearnerState,
+    LearnerStateChanged,
+)
+from ray_diloco.control.supervision import KillLearner, StartLearner, Supervision
+
+CFG = SupervisorConfig(
+    heartbeat_timeout_s=2.0, startup_timeout_s=10.0, restart_backoff_s=0.5, max_crash_restarts=1
+)
+
+
+def kinds(events):
+    return [type(e).__name__ for e in events]
+
+
+def test_crash_is_fenced_restarted_and_rejoins_in_order():
+    sup = Supervision(CFG, ["a", "b"], now=0.0)
+    sup.heartbeat("a", 0, now=1.0)
+    events, commands = sup.failed("a", 0, FailureKind.CRASH, now=1.5)
+    assert kinds(events) == ["FailureDetected", "LearnerStateChanged", "LearnerStateChanged"]
+    assert events[0].detection_s == 0.5
+    assert commands == [KillLearner("a", 0, rebuild_group=False)]
+    assert sup.tick(now=1.9) == ([], [])  # backoff 0.5 s not over
+    events, commands = sup.tick(now=2.0)
+    assert commands == [StartLearner("a", 1)]
+    assert isinstance(events[0], LearnerRestarted) and events[0].recovered_in_s == 0.5
+    # a late answer from the fenced incarnation changes nothing
+    assert sup.heartbeat("a", 0, now=2.1) == []
+    (state,) = sup.heartbeat("a", 1, now=3.0)
+    assert state.state is LearnerState.TRAINING
+    (rejoined,) = sup.contributed("a", 1, now=4.0, versions={0: 7})
+    assert isinstance(rejoined, LearnerRejoined) and rejoined.recovered_in_s == 2.5
+    assert sup.contributed("a", 1, now=5.0, versions={0: 8}) == []  # only the first counts
+
+
+def test_silence_is_a_hang_and_rebuilds_the_group():
+    sup = Supervision(CFG, ["a"], now=0.0)
+    sup.heartbeat("a", 0, now=1.0)
+    assert sup.tick(now=3.0) == ([], [])  # exactly at the timeout: not yet
+    events, commands = sup.tick(now=3.1)
+    detected = next(e for e in events if isinstance(e, FailureDetected))
+    assert detected.failure is FailureKind.HANG and abs(detected.detection_s - 2.1) < 1e-9
+    assert commands == [KillLearner("a", 0, rebuild_group=True)]
+
+
+def test_starting_learner_gets_the_startup_timeout_and_budget_runs_out():
+    sup = Supervision(CFG, ["a"], now=0.0)
+    assert sup.tick(now=9.0) == ([], [])  # still starting: 10 s allowed
+    sup.heartbeat("a", 0, now=9.5)
+    sup.failed("a", 0, FailureKind.CRASH, now=10.0)
+    sup.tick(now=11.0)  # restarted as incarnation 1
+    sup.heartbeat("a", 1, now=11.5)
+    events, commands = sup.failed("a", 1, FailureKind.CRASH, now=12.0)
+    assert isinstance(commands[0], KillLearner)
+    gave_up = [e for e in events if isinstance(e, LearnerStateChanged)][-1]
+    assert gave_up.state is LearnerState.GAVE_UP
+    assert sup.tick(now=100.0) == ([], [])  # never restarted again
+
+
+def test_preemption_has_its_own_budget():
+    sup = Supervision(CFG, ["a"], now=0.0)
+    for i in range(3):  # crash budget is 1, preemption budget the default 20
+        sup.heartbeat("a", i, now=10.0 * i + 1)
+        _, commands = sup.failed("a", i, FailureKind.PREEMPTION, now=10.0 * i + 2)
+        assert commands == [KillLearner("a", i, rebuild_group=False)]
+        _, started = sup.tick(now=10.0 * i + 9)
+        assert started == [StartLearner("a", i + 1)]
