@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -108,6 +109,26 @@ def add_cpu_host(cluster: Any, region: str, num_cpus: int = 1) -> Any:
     """Add one CPU-only node labelled `ray.io/availability-region=region`."""
     with _env({"RAY_NODE_REGION": region}):
         return cluster.add_node(num_cpus=num_cpus, object_store_memory=HOST_OBJECT_STORE_BYTES)
+
+
+def preempt_host(cluster: Any, node: Any, notice_s: float = 0.2) -> None:
+    """Preempt `node` the way the autoscaler does for a spot/TPU reclaim: drain it with reason
+    PREEMPTION and a deadline, then kill it once the notice ran out. The GCS infers
+    `AUTOSCALER_DRAIN_PREEMPTED` only when the deadline has passed at death (measured: with a
+    later deadline the death reads "health check failed"), and actors on the node then die with
+    `ActorDiedError.preempted == True`. Uses the private GcsClient.drain_node, as `ray drain-node`
+    and Ray's own chaos utilities do; tests only."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=cluster.address)  # type: ignore[attr-defined]
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+    deadline_ms = int((time.time() + notice_s) * 1000)
+    accepted, why = gcs.drain_node(node.node_id, reason, "emulated preemption", deadline_ms)
+    if not accepted:
+        raise RuntimeError(f"drain of node {node.node_id} rejected: {why}")
+    time.sleep(notice_s + 0.2)
+    cluster.remove_node(node, allow_graceful=False)
 
 
 class TpuCluster(NamedTuple):

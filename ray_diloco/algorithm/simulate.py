@@ -125,6 +125,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     ]
     clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
     blocked = [False] * len(learners)
+    busy = [0.0] * len(learners)  # seconds of completed inner steps: the productive time
     polls: set[float] = set()
     for i, lg in enumerate(cfg.learners):
         sync.register(lg.name, 0, 0.0)
@@ -158,6 +159,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
         now, _, kind, payload = heapq.heappop(sim.queue)
         if kind == "step":
             i, dt = payload
+            busy[i] += dt
             core, lg = learners[i], cfg.learners[i]
             core.train_step(*core.next_batch())
             sync.report(lg.name, core.incarnation, now, dt, core.cursor)
@@ -182,7 +184,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
             next_eval += eval_every
     sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
-    return summarize_diloco(setup, sync, learners, sim.evals, now)
+    return summarize_diloco(setup, sync, learners, sim.evals, now) | _goodput(busy, now)
 
 
 def _rounds(sync: SynchronizerCore) -> int:
@@ -208,15 +210,18 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
     allreduce_bytes = 2 * setup.param_bytes()
     comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
     now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // NUM_EVALS)
+    busy = [0.0] * len(clocks)
     while core.cursor < cfg.token_budget:
         core.train_step(*core.next_batch())
-        now += max(c.next() for c in clocks) + comm
+        times = [c.next() for c in clocks]
+        busy = [b + t for b, t in zip(busy, times, strict=True)]
+        now += max(times) + comm
         if core.cursor >= next_eval:
             sim.eval_point(now, core.cursor, core.params)
             next_eval += eval_every
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
-    return {
+    return _goodput(busy, now) | {
         **_common_summary(setup, sim.evals, now),
         "tokens": core.cursor,
         "inner_steps": core.step,
@@ -224,6 +229,13 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
         "bytes_per_token": link_bytes / core.cursor,
         "dp_bytes_per_token": link_bytes / core.cursor,
     }
+
+
+def _goodput(busy: list[float], now: float) -> dict[str, float]:
+    """Fault-free goodput (algorithm.md section 9): completed step seconds over allocated
+    seconds. What is lost is time blocked on a barrier, waiting for the slowest host or for
+    the all-reduce, and the unfinished step each learner is in when the budget is reached."""
+    return {"goodput": sum(busy) / (len(busy) * now) if now else 1.0}
 
 
 def _full_snapshot(setup: Setup) -> dict[int, tuple[int, dict[str, Any]]]:

@@ -18,6 +18,7 @@ from ray_diloco.actors.resources import (
     SLICE_LABEL,
     WORKER_ID_LABEL,
     LearnerPlacement,
+    head_pin_options,
     host_options,
     placement_state,
     region_options,
@@ -25,7 +26,7 @@ from ray_diloco.actors.resources import (
     reserve_learner_group,
 )
 from ray_diloco.config import LearnerGroupConfig
-from tests.cluster_helpers import SLICES, TpuCluster, node_labels
+from tests.cluster_helpers import SLICES, TpuCluster, node_labels, preempt_host
 
 pytestmark = pytest.mark.chaos
 
@@ -71,11 +72,16 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_region_options_place_an_actor_in_its_region(tpu_cluster: TpuCluster) -> None:
+def test_region_and_head_options_place_actors(tpu_cluster: TpuCluster) -> None:
     probe = HostProbe.options(**region_options("europe-west4")).remote()
     info = ray.get(probe.info.remote(), timeout=30)
     assert node_labels(info["node_id"])[REGION_LABEL] == "europe-west4"
-    ray.kill(probe)
+    pinned = HostProbe.options(**head_pin_options()).remote()
+    assert ray.get(pinned.info.remote(), timeout=30)["node_id"] == (
+        tpu_cluster.cluster.head_node.node_id
+    )
+    for actor in (probe, pinned):
+        ray.kill(actor)
 
 
 @pytest.mark.timeout(60)
@@ -117,22 +123,47 @@ def test_tpu_group_in_a_region_without_that_slice_times_out(tpu_cluster: TpuClus
     assert "TPU-V5P 2x2x2" in message and "europe-west4" in message
 
 
+def _first_error(actor: Any, timeout_s: float) -> BaseException:
+    """Call `actor` until a call fails: its worker may outlive its raylet by up to ~1 s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=timeout_s)
+        except rex.RayError as err:
+            return err
+        time.sleep(0.2)
+    raise AssertionError(f"actor still answers after {timeout_s} s")
+
+
 @pytest.mark.timeout(60)
-def test_losing_a_host_leaves_created_and_a_rejoin_restores_it(tpu_cluster: TpuCluster) -> None:
-    placement = reserve_learner_group(GROUPS["v5p"], name_prefix="chaos", timeout_s=30)
+@pytest.mark.parametrize(
+    ("kind", "preempt", "expected"), [("v5p", False, "node_lost"), ("v6e", True, "preemption")]
+)
+def test_losing_a_host_leaves_created_and_a_rejoin_restores_it(
+    tpu_cluster: TpuCluster, kind: str, preempt: bool, expected: str
+) -> None:
+    placement = reserve_learner_group(GROUPS[kind], name_prefix="chaos", timeout_s=30)
+    lost = False
     try:
         actors = _start_hosts(placement)
         ray.get([a.info.remote() for a in actors], timeout=30)
-        tpu_cluster.cluster.remove_node(tpu_cluster.hosts[("v5p", 1)], allow_graceful=False)
+        victim = tpu_cluster.hosts[(kind, 1)]
+        if preempt:
+            preempt_host(tpu_cluster.cluster, victim)
+        else:
+            tpu_cluster.cluster.remove_node(victim, allow_graceful=False)
+        lost = True
         _wait_until(lambda: placement_state(placement) != "CREATED", timeout_s=20)
         assert placement_state(placement) in {"RESCHEDULING", "PENDING"}
-        with pytest.raises(rex.RayActorError) as lost:
-            ray.get(actors[1].info.remote(), timeout=20)
-        assert classify_ray_error(lost.value) == "node_lost", str(lost.value)
+        error = _first_error(actors[1], timeout_s=20)
+        assert classify_ray_error(error) == expected, str(error)
         ray.get(actors[0].info.remote(), timeout=10)  # the surviving host still answers
-        tpu_cluster.add_slice_host("v5p", 1)
+        tpu_cluster.add_slice_host(kind, 1)
+        lost = False
         _wait_until(lambda: placement_state(placement) == "CREATED", timeout_s=30)
         for a in actors:
             ray.kill(a)
     finally:
+        if lost:  # leave the module's cluster whole for the next test
+            tpu_cluster.add_slice_host(kind, 1)
         release(placement)

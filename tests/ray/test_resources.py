@@ -99,6 +99,9 @@ class _Probe:
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    def crash(self) -> None:
+        os._exit(1)  # a hard process death, as a segfault or the OOM killer would cause
+
     def count_tokens(self, learner: str, n: int) -> bool:
         self.metrics = Metrics.create(True)  # kept alive with the actor
         self.metrics.tokens(learner, n)
@@ -112,12 +115,15 @@ Probe: Any = _Probe  # Any: Ray's actor typing needs @ray.method on each method
 @pytest.mark.timeout(60)
 def test_cpu_group_places_hosts_on_bundles(ray_local: Any) -> None:
     lg = LearnerGroupConfig(name="cpu-a", num_hosts=2, batch_size=8)
-    placement = reserve_learner_group(lg, name_prefix="t", detached=False, timeout_s=30)
+    placement = reserve_learner_group(lg, name_prefix="t", detached=True, timeout_s=30)
     assert placement_state(placement) == "CREATED"
+    # named, so a restarted supervisor can find (and release) a detached group
+    assert ray.util.get_placement_group("t-cpu-a") == placement.placement_group
     assert placement.num_hosts == 2 and placement.bundle_resources == {"CPU": 1.0}
     actors = [Probe.options(**host_options(placement, i)).remote() for i in range(2)]
     infos = ray.get([a.where.remote() for a in actors], timeout=30)
     table = placement_group_table(placement.placement_group)
+    assert table["strategy"] == "SPREAD"
     for i, info in enumerate(infos):
         assert info["pg_id"] == placement.placement_group.id.hex()
         assert info["node_id"] == table["bundles_to_node_id"][i]
@@ -162,6 +168,12 @@ def test_classify_real_dead_and_slow_actors(ray_local: Any) -> None:
     assert isinstance(dead.value, rex.ActorDiedError)
     assert "ray.kill" in dead.value.error_msg
     assert classify_ray_error(dead.value) == "crash"
+    crashing = Probe.remote()
+    ray.get(crashing.where.remote(), timeout=30)
+    with pytest.raises(rex.RayActorError) as crashed:
+        ray.get(crashing.crash.remote(), timeout=30)
+    assert "worker process has died" in crashed.value.error_msg
+    assert classify_ray_error(crashed.value) == "crash"
 
 
 @pytest.mark.timeout(60)

@@ -119,3 +119,13 @@ def test_sync_core_state_round_trips():
         rv, rvals = restored.snapshot()[p]
         assert rv == v and all(np.array_equal(rvals[k], vals[k]) for k in vals)
     assert restored.ledger.state_dict() == core.ledger.state_dict()
+
+
+def test_goodput_counts_waiting_on_the_slow_learner(decoupled):
+    barrier = run_reference(
+        tiny("diloco.mode=synchronous", "learners.2.speed=0.7", "learners.3.jitter=0.2")
+    )
+    # nobody waits in decoupled mode (only the unfinished last step is lost); the barrier makes
+    # the three fast learners wait for the 30% slower one
+    assert decoupled["goodput"] > 0.95
+    assert barrier["goodput"] < 0.9
