@@ -55,13 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_sweep(args: argparse.Namespace) -> bool:
+    return bool(args.sweep or len(args.chips or ()) > 1 or len(args.learners or ()) > 1)
+
+
 def _load(args: argparse.Namespace) -> RunConfig:
     overrides = list(args.set)
-    # Single values go through the config so they are validated like any other setting.
-    if args.chips and len(args.chips) == 1:
-        overrides.append(f"goodput_sim.chips={args.chips[0]}")
-    if args.learners and len(args.learners) == 1 and not args.sweep:
-        overrides.append(f"goodput_sim.num_learners={args.learners[0]}")
+    # A single run's flags go through the config so they are validated like any other setting;
+    # a sweep sets chips and learners per cell itself.
+    if not _is_sweep(args):
+        if args.chips:
+            overrides.append(f"goodput_sim.chips={args.chips[0]}")
+        if args.learners:
+            overrides.append(f"goodput_sim.num_learners={args.learners[0]}")
     if args.days is not None:
         overrides.append(f"goodput_sim.duration_days={args.days}")
     return load_config(args.config, overrides)
@@ -71,11 +77,7 @@ def run(args: argparse.Namespace) -> tuple[RunConfig, list[Row], float]:
     cfg = _load(args)
     gs = cfg.goodput_sim
     t0 = time.perf_counter()
-    if (
-        args.sweep
-        or (args.chips and len(args.chips) > 1)
-        or (args.learners and len(args.learners) > 1)
-    ):
+    if _is_sweep(args):
         chips = tuple(args.chips) if args.chips else CHIPS
         learners = tuple(args.learners) if args.learners else LEARNERS
         too_small = [n for n in chips if n < max(learners) * gs.chips_per_slice]

@@ -14,7 +14,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -143,6 +143,23 @@ class TpuCluster(NamedTuple):
         node = add_tpu_host(self.cluster, slice_name, pod_type, topology, worker_id, region)
         self.hosts[(kind, worker_id)] = node
         return node
+
+
+def first_error(call: Callable[[], Any], timeout_s: float) -> BaseException:
+    """Repeat `call` (a blocking Ray call) until it raises a Ray error; return that error.
+
+    An actor's worker can answer for up to ~1 s after its raylet or placement group is gone.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            call()
+        except ray.exceptions.RayError as err:
+            return err
+        time.sleep(0.2)
+    raise AssertionError(f"call still succeeds after {timeout_s} s")
 
 
 def node_labels(node_id: str) -> dict[str, str]:

@@ -16,8 +16,9 @@ this shell handles itself (retry, re-place, re-pull) before it ever reports a fa
 ``numerical``    (never returned here: NaN/norm-guard rejections come from the algorithm)
 ``unavailable``  ``ActorUnavailableError``: the actor is restarting or a connection dropped;
                  the call may or may not have run. Transient: retry after a backoff
-``placement``    the actor cannot be placed: its placement group was removed, it is
-                 unschedulable, or a learner group's placement group did not become ready
+``placement``    the actor cannot be placed or lost its place: its placement group was
+                 removed (also: an actor killed by that removal), it is unschedulable, or a
+                 learner group's placement group did not become ready
 ``object_lost``  an object (or its owner) is gone: ``ObjectLostError``/``OwnerDiedError``;
                  re-pull the fragment from a live learner
 ==============  ============================================================================
@@ -61,6 +62,10 @@ _NODE_DEATH_MARKERS = (
 )
 
 
+# Worker exit detail when the actor's placement group is removed (measured in 2.60).
+_PG_REMOVED_MARKER = "placement group was removed"
+
+
 class PlacementTimeoutError(TimeoutError):
     """A learner group's placement group was not ready in time (raised by `resources.py`).
 
@@ -92,6 +97,8 @@ def classify_ray_error(exc: BaseException) -> str:
             return PREEMPTION
         if _mentions_node_death(exc.error_msg):
             return NODE_LOST
+        if _PG_REMOVED_MARKER in (exc.error_msg or "").lower():
+            return PLACEMENT  # its learner group was released (or removed by someone else)
         return CRASH
     if isinstance(exc, rex.NodeDiedError | rex.LocalRayletDiedError):
         return NODE_LOST

@@ -85,13 +85,7 @@ def reserve_learner_group(
     name = f"{name_prefix}-{lg.name}" if name_prefix else lg.name
     lifetime = "detached" if detached else None
     deadline = time.monotonic() + timeout_s
-    logger.info(
-        "reserving learner %s: %s, topology %s, region %s",
-        lg.name,
-        lg.accelerator,
-        lg.topology,
-        lg.region,
-    )
+    logger.info("reserving learner %s (%s %s)", lg.name, lg.accelerator, lg.topology or "")
     if lg.accelerator in _TPU_VERSIONS:
         return _reserve_tpu(lg, name, lifetime, deadline, timeout_s, emulated)
     return _reserve_plain(lg, name, lifetime, deadline, timeout_s)
@@ -108,7 +102,9 @@ def host_options(placement: LearnerPlacement, host_index: int) -> dict[str, Any]
 
 
 def release(placement: LearnerPlacement) -> None:
-    """Remove the group's placement group(s); safe to call twice or after Ray removed them."""
+    """Remove the group's placement group(s); safe to call twice or after Ray removed them.
+
+    Ray kills actors still placed in a removed group (they fail with ActorDiedError)."""
     if placement.released:
         return
     placement.released = True

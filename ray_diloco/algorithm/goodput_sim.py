@@ -16,7 +16,17 @@ Three systems react to the same failure trace (`goodput_trace.make_trace`), on a
   (lognormal jitter, std/mean `straggler_cv`) to a real `rounds.RoundBook` with one fragment:
   register (a restart is a new incarnation), heartbeat, offer, poll, commit. A learner's time
   counts as productive only up to its last contribution that a committed round merged; the
-  rest of an incarnation's work is lost when it dies.
+  rest of an incarnation's work is lost when it dies. A contribution still pending when its
+  learner dies is kept by the book and merged later, so it counts. A commit publishes at once
+  to every live learner (they adopt it, so their counters restart); work still unmerged when
+  the run ends (at most a round period per learner) is not counted.
+- `elastic_dp_per_learner`: the comparison of section 10, elastic data-parallel on N/M chips,
+  run as M independent elastic jobs, one on each learner's slices, goodput averaged.
+
+Hardware fails on its own schedule, so the trace does not pause while a job is stopped.
+Cost: the decoupled system is dominated by the RoundBook, about 20-25 us of CPU per
+contribution; the default 30-day sweep takes about 20 s. A coarser `round_period_s` is faster
+but changes the answer, since a dying learner loses up to a round period of work.
 
 Goodput = productive chip-seconds / (N chips * duration). Uptime = the fraction of windows of
 `uptime_window_s` (default 2 x round_period_s, so one late contribution does not read as
@@ -31,7 +41,7 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,7 +59,7 @@ from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
 
 logger = logging.getLogger(__name__)
 
-_UP, _OFFER, _POLL, _COMMIT = range(4)  # event kinds; ties at equal times go in push order
+_UP, _OFFER, _POLL, _COMMIT = range(4)  # event kinds
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,11 @@ def elastic_dp(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemResult:
 
 def learner_groups(trace: FailureTrace, num_learners: int) -> list[tuple[int, int]]:
     """Contiguous slice ranges [lo, hi), one per learner, sizes differing by at most one."""
+    if num_learners > trace.num_slices:
+        raise ValueError(
+            f"{num_learners} learners need at least as many slices; the cluster has "
+            f"{trace.num_slices}. Raise goodput_sim.chips or lower goodput_sim.chips_per_slice"
+        )
     bounds = np.linspace(0, trace.num_slices, num_learners + 1).round().astype(int)
     return list(itertools.pairwise(bounds.tolist()))
 
@@ -192,84 +207,101 @@ class DecoupledSim:
         self.verdicts: Counter[str] = Counter()
         self.round_sizes: Counter[int] = Counter()  # contributions merged per round
         self.merged_until: dict[tuple[int, int], float] = {}  # (learner, incarnation) -> time
+        self.names = [f"learner-{i}" for i in range(m)]
+        self._start = [0.0] * m  # current incarnation's start and end, per learner
+        self._end = [0.0] * m
+        self._last_commit = 0.0
+        self._heap: list[tuple[float, int, int, Any, int]] = []  # time, seq, kind, x, inc
+        self._seq = itertools.count()  # ties at equal times go in push order
+        self._polls: set[float] = set()  # deadlines already scheduled
+        self._jit: Iterator[float] = iter(())
 
     def run(self) -> SystemResult:
-        cfg, book, dur = self.cfg, self.book, self.trace.duration_s
-        period, sync_s, step_s = cfg.round_period_s, cfg.sync_time_s, self.step_time_s
-        names = [f"learner-{i}" for i in range(cfg.num_learners)]
-        start = [0.0] * cfg.num_learners  # current incarnation's start and end
-        end = [0.0] * cfg.num_learners
+        """Replay the trace: learners come up, contribute and die; the book closes rounds."""
         # Jitter comes from its own stream so the failure trace stays identical across systems.
-        jitter = self._jitter(np.random.default_rng([cfg.seed, 1]))
-        heap: list[tuple[float, int, int, Any, int]] = []  # time, seq, kind, x, incarnation
-        seq = itertools.count()
-        polls: set[float] = set()
-        merged = self.merged_until
-        last_commit = 0.0  # learners up at a commit adopt the new version: counters restart
-
-        def poll(now: float) -> None:
-            # No deadline means no fragment has a quorum outside a merge: poll would close
-            # nothing, so skip its live() scan.
-            if book.next_deadline() is None:
-                return
-            for close in book.poll(now):
-                heapq.heappush(heap, (now + sync_s, next(seq), _COMMIT, close, 0))
-            deadline = book.next_deadline()
-            if deadline is not None and deadline > now and deadline not in polls:
-                polls.add(deadline)
-                heapq.heappush(heap, (deadline, next(seq), _POLL, None, 0))
-
+        self._jit = self._jitter(np.random.default_rng([self.cfg.seed, 1]))
         for i, (a, _) in enumerate(self.up):
             if len(a):
-                heapq.heappush(heap, (float(a[0]), next(seq), _UP, i, 0))
+                self._push(float(a[0]), _UP, i, 0)
+        dur, heap, pop = self.trace.duration_s, self._heap, heapq.heappop
+        handlers: dict[int, Callable[[float, Any, int], None]] = {
+            _UP: self._on_up,
+            _OFFER: self._on_offer,
+            _COMMIT: self._on_commit,
+        }
         while heap:
-            t, _, kind, x, inc = heapq.heappop(heap)
+            t, _, kind, x, inc = pop(heap)
             if t >= dur:
                 break
-            if kind == _OFFER:
-                i = x
-                steps = max(1, int((t - max(start[i], last_commit)) / step_s))
-                book.heartbeat(names[i], inc, t, step_s)
-                meta = ContributionMeta(
-                    names[i],
-                    inc,
-                    0,
-                    book.fragments[0].version,
-                    int((t - start[i]) / step_s),
-                    steps,
-                    steps,
-                )
-                self.verdicts[book.offer(meta, t, payload=(i, inc, t))] += 1
-                nxt = t + period * next(jitter)
-                if nxt < end[i]:
-                    heapq.heappush(heap, (nxt, next(seq), _OFFER, i, inc))
-                poll(t)
-            elif kind == _POLL:
-                polls.discard(t)
-                poll(t)
-            elif kind == _COMMIT:
-                assert isinstance(x, RoundClose)
-                book.commit(x, sync_s, t)
-                self.commits_s.append(t)
-                self.round_sizes[len(x.contributions)] += 1
-                last_commit = t
-                for c in x.contributions:
-                    key = c.payload[:2]
-                    merged[key] = max(merged[key], c.payload[2])
-                poll(t)
-            else:  # _UP: incarnation `inc` of learner x starts
-                i = x
-                a_arr, b_arr = self.up[i]
-                start[i], end[i] = float(a_arr[inc]), float(b_arr[inc])
-                book.register(names[i], inc, t)
-                book.heartbeat(names[i], inc, t, step_s)
-                merged[(i, inc)] = t
-                first = t + period * next(jitter)
-                if first < end[i]:
-                    heapq.heappush(heap, (first, next(seq), _OFFER, i, inc))
-                if inc + 1 < len(a_arr):
-                    heapq.heappush(heap, (float(a_arr[inc + 1]), next(seq), _UP, i, inc + 1))
+            if kind == _POLL:
+                self._polls.discard(t)
+                self._poll(t)
+            else:
+                handlers[kind](t, x, inc)
         return self._result()
+
+    def _push(self, t: float, kind: int, x: Any, inc: int) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, x, inc))
+
+    def _poll(self, now: float) -> None:
+        """What the synchronizer does after every event: close due rounds, note the deadline."""
+        book = self.book
+        # No deadline means no fragment has a quorum outside a merge: poll would close nothing,
+        # so skip its live() scan. A poll that closes nothing changes nothing.
+        deadline = book.next_deadline()
+        if deadline is None:
+            return
+        closes = book.poll(now)
+        for close in closes:
+            self._push(now + self.cfg.sync_time_s, _COMMIT, close, 0)
+        if closes:
+            deadline = book.next_deadline()
+        if deadline is not None and deadline > now and deadline not in self._polls:
+            self._polls.add(deadline)
+            self._push(deadline, _POLL, None, 0)
+
+    def _on_up(self, t: float, i: int, inc: int) -> None:
+        """Incarnation `inc` of learner i starts: it registers and adopts the current version."""
+        starts, ends = self.up[i]
+        self._start[i], self._end[i] = t, float(ends[inc])
+        self.book.register(self.names[i], inc, t)
+        self.book.heartbeat(self.names[i], inc, t, self.step_time_s)
+        self.merged_until[(i, inc)] = t
+        first = t + self.cfg.round_period_s * next(self._jit)
+        if first < self._end[i]:
+            self._push(first, _OFFER, i, inc)
+        if inc + 1 < len(starts):
+            self._push(float(starts[inc + 1]), _UP, i, inc + 1)
+
+    def _on_offer(self, t: float, i: int, inc: int) -> None:
+        """One contribution; its progress report doubles as the heartbeat (see round_policy)."""
+        book, step_s, start = self.book, self.step_time_s, self._start[i]
+        # The learner's counters restart whenever it adopts a version: at its start or at the
+        # last commit (every live learner gets each published version).
+        steps = max(1, int((t - max(start, self._last_commit)) / step_s))
+        book.heartbeat(self.names[i], inc, t, step_s)
+        version = book.fragments[0].version
+        meta = ContributionMeta(
+            self.names[i], inc, 0, version, int((t - start) / step_s), steps, steps
+        )
+        # The payload says whose work up to when: it comes back in the RoundClose.
+        self.verdicts[book.offer(meta, t, payload=(i, inc, t))] += 1
+        nxt = t + self.cfg.round_period_s * next(self._jit)
+        if nxt < self._end[i]:
+            self._push(nxt, _OFFER, i, inc)
+        self._poll(t)
+
+    def _on_commit(self, t: float, close: RoundClose, _: int) -> None:
+        """The merge is done and published: the merged work now belongs to the global model."""
+        self.book.commit(close, self.cfg.sync_time_s, t)
+        self.commits_s.append(t)
+        self.round_sizes[len(close.contributions)] += 1
+        self._last_commit = t
+        merged = self.merged_until
+        for c in close.contributions:
+            i, inc, until = c.payload
+            merged[(i, inc)] = max(merged[(i, inc)], until)
+        self._poll(t)
 
     def _jitter(self, rng: np.random.Generator) -> Iterator[float]:
         cv = self.cfg.straggler_cv

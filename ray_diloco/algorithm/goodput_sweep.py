@@ -127,6 +127,9 @@ def plot(rows: Sequence[Row], path: str | Path) -> Path:
         style = "--" if s != "decoupled" else "-"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=_label(s, m))
     ax.set_xscale("log")
+    chips = sorted({r["chips"] for r in rows})
+    ax.set_xticks(chips, labels=[f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k" for n in chips])
+    ax.minorticks_off()
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("chips")
     ax.set_ylabel("goodput")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm import data, inner, model
+from ray_diloco.algorithm import data, inner, links, model
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments, sizes_of
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.sync_core import SynchronizerCore
@@ -56,11 +56,8 @@ class Setup:
 
 
 def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:
-    """Time an emulated WAN link takes to carry `nbytes` (0 for regions without a link)."""
-    link = cfg.links.get(region)
-    if link is None:
-        return 0.0
-    return nbytes * 8 / (link.bandwidth_gbps * 1e9) + link.latency_ms / 1e3
+    """Time one transfer takes on the region's idle link (0 for regions without a link)."""
+    return links.link_seconds(cfg.links.get(region), nbytes)
 
 
 class StepClock:
@@ -127,6 +124,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     blocked = [False] * len(learners)
     busy = [0.0] * len(learners)  # seconds of completed inner steps: the productive time
     polls: set[float] = set()
+    wan = links.LinkEmulator(cfg.links)
     for i, lg in enumerate(cfg.learners):
         sync.register(lg.name, 0, 0.0)
         dt = clocks[i].next()
@@ -137,7 +135,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             for j, lg in enumerate(cfg.learners):
-                arrive = t + pub.sync_time_s + link_seconds(cfg, lg.region, pub.nbytes)
+                arrive = wan.arrival(lg.region, "down", pub.nbytes, t + pub.sync_time_s)
                 sync.sent(lg.name, pub.nbytes)
                 sim.push(arrive, "publish", (j, pub.fragment, pub.version, pub.encoded))
         deadline = sync.book.next_deadline()
@@ -165,7 +163,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             sync.report(lg.name, core.incarnation, now, dt, core.cursor)
             for meta, delta in core.offers():
                 nbytes = sum(e.nbytes for e in delta.values())
-                sim.push(now + link_seconds(cfg, lg.region, nbytes), "arrive", (meta, delta))
+                sim.push(wan.arrival(lg.region, "up", nbytes, now), "arrive", (meta, delta))
             step_boundary(i, now)
         elif kind == "arrive":
             meta, delta = payload
@@ -184,7 +182,9 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
             next_eval += eval_every
     sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
-    return summarize_diloco(setup, sync, learners, sim.evals, now) | _goodput(busy, now)
+    summary = summarize_diloco(setup, sync, learners, sim.evals, now)
+    lost = _lost_fraction(sync)
+    return summary | {"work_lost_fraction": lost, "goodput": _goodput(busy, now) * (1 - lost)}
 
 
 def _rounds(sync: SynchronizerCore) -> int:
@@ -221,7 +221,8 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
             next_eval += eval_every
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
-    return _goodput(busy, now) | {
+    return {
+        "goodput": _goodput(busy, now),
         **_common_summary(setup, sim.evals, now),
         "tokens": core.cursor,
         "inner_steps": core.step,
@@ -231,11 +232,19 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
     }
 
 
-def _goodput(busy: list[float], now: float) -> dict[str, float]:
+def _lost_fraction(sync: SynchronizerCore) -> float:
+    """Share of trained tokens whose contribution was fenced or dropped by a guard: work that
+    never reaches the global model (algorithm.md section 9, "work lost"). The tau overlap steps
+    that an overwrite (mixing_alpha = 0) replaces are the merge rule, not lost time."""
+    trained = sync.ledger.tokens_trained
+    return sync.rejected_tokens / trained if trained else 0.0
+
+
+def _goodput(busy: list[float], now: float) -> float:
     """Fault-free goodput (algorithm.md section 9): completed step seconds over allocated
     seconds. What is lost is time blocked on a barrier, waiting for the slowest host or for
     the all-reduce, and the unfinished step each learner is in when the budget is reached."""
-    return {"goodput": sum(busy) / (len(busy) * now) if now else 1.0}
+    return sum(busy) / (len(busy) * now) if now else 1.0
 
 
 def _full_snapshot(setup: Setup) -> dict[int, tuple[int, dict[str, Any]]]:
@@ -281,6 +290,9 @@ def summarize_diloco(
         "bytes_per_token": moved / max(1, tokens),
         "dp_bytes_per_token": dp_bytes / max(1, tokens),
         "rejected": dict(sync.rejected),
+        # tokens that reached the global model, averaged over fragments
+        "tokens_merged": sum(sync.ledger.tokens_merged(p) for p in range(setup.plan.num_fragments))
+        / setup.plan.num_fragments,
         "ledger_violations": sync.ledger.violations(),
         "learners": {
             core.name: {

@@ -67,6 +67,7 @@ class SynchronizerCore:
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
+        self.rejected_tokens = 0
 
     # -- learners -----------------------------------------------------------------------------
 
@@ -100,17 +101,18 @@ class SynchronizerCore:
             # Older than the history we keep (or from before a synchronizer restart): it cannot
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
-            return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION)
+            return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
         if set(delta) != set(base):
-            return self._reject(Verdict.MALFORMED)
+            return self._reject(Verdict.MALFORMED, meta)
         theta = {k: base[k] + d for k, d in wire.decode_tree(delta).items()}
         finite = merge.all_finite(theta)
         norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
         verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)
-        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict)
+        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
 
-    def _reject(self, verdict: Verdict) -> Verdict:
+    def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
+        self.rejected_tokens += meta.num_tokens
         return verdict
 
     # -- rounds -------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import ray
 import ray.util.tpu
-from ray import exceptions as rex
 
 from ray_diloco.actors.errors import PlacementTimeoutError, classify_ray_error
 from ray_diloco.actors.resources import (
@@ -26,7 +25,7 @@ from ray_diloco.actors.resources import (
     reserve_learner_group,
 )
 from ray_diloco.config import LearnerGroupConfig
-from tests.cluster_helpers import SLICES, TpuCluster, node_labels, preempt_host
+from tests.cluster_helpers import SLICES, TpuCluster, first_error, node_labels, preempt_host
 
 pytestmark = pytest.mark.chaos
 
@@ -123,18 +122,6 @@ def test_tpu_group_in_a_region_without_that_slice_times_out(tpu_cluster: TpuClus
     assert "TPU-V5P 2x2x2" in message and "europe-west4" in message
 
 
-def _first_error(actor: Any, timeout_s: float) -> BaseException:
-    """Call `actor` until a call fails: its worker may outlive its raylet by up to ~1 s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.info.remote(), timeout=timeout_s)
-        except rex.RayError as err:
-            return err
-        time.sleep(0.2)
-    raise AssertionError(f"actor still answers after {timeout_s} s")
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("kind", "preempt", "expected"), [("v5p", False, "node_lost"), ("v6e", True, "preemption")]
@@ -155,7 +142,7 @@ def test_losing_a_host_leaves_created_and_a_rejoin_restores_it(
         lost = True
         _wait_until(lambda: placement_state(placement) != "CREATED", timeout_s=20)
         assert placement_state(placement) in {"RESCHEDULING", "PENDING"}
-        error = _first_error(actors[1], timeout_s=20)
+        error = first_error(lambda: ray.get(actors[1].info.remote(), timeout=20), timeout_s=20)
         assert classify_ray_error(error) == expected, str(error)
         ray.get(actors[0].info.remote(), timeout=10)  # the surviving host still answers
         tpu_cluster.add_slice_host(kind, 1)

@@ -29,6 +29,7 @@ from ray_diloco.actors.resources import (
 )
 from ray_diloco.config import LearnerGroupConfig
 from ray_diloco.metrics import Metrics
+from tests.cluster_helpers import first_error
 
 pytestmark = pytest.mark.ray
 
@@ -50,6 +51,10 @@ CONSTRUCTED = [
     (_died("The actor is dead because it was killed by `ray.kill`."), "crash"),
     (_died(NODE_DIED), "node_lost"),
     (_died(NODE_DIED, preempted=True), "preemption"),
+    (
+        _died("Worker exit detail: Destroying worker since its placement group was removed."),
+        "placement",
+    ),
     (rex.RayActorError(), "crash"),
     (rex.ActorUnavailableError("connection reset", None), "unavailable"),
     (rex.NodeDiedError("node 0a1b died"), "node_lost"),
@@ -128,11 +133,12 @@ def test_cpu_group_places_hosts_on_bundles(ray_local: Any) -> None:
         assert info["pg_id"] == placement.placement_group.id.hex()
         assert info["node_id"] == table["bundles_to_node_id"][i]
         assert info["jax_platforms"] == "cpu"
-    for a in actors:
-        ray.kill(a)
     release(placement)
     release(placement)  # idempotent
     assert placement_state(placement) == "REMOVED"
+    # Ray kills the actors of a removed group
+    evicted = first_error(lambda: ray.get(actors[0].where.remote(), timeout=30), timeout_s=30)
+    assert classify_ray_error(evicted) == "placement", str(evicted)
 
 
 @pytest.mark.timeout(60)

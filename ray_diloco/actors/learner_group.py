@@ -1,0 +1,119 @@
+"""Layer: actors (Ray shell). `LearnerGroup`: the driver-side handle of one learner's hosts.
+
+A plain Python object (not an actor) used by the driver and, later, the supervisor: it reserves
+the learner's placement group (`resources.reserve_learner_group`: a bundle per CPU host, or a
+whole TPU slice), starts one `LearnerHost` actor per host on its bundle, and for learners with
+several hosts wires them into one `jax.distributed` job (host 0's address and a free port as
+the coordinator) before their loops start. It only carries out what it is told: start, status,
+stop, kill, release.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from ray_diloco.actors import resources
+from ray_diloco.actors.errors import classify_ray_error
+from ray_diloco.actors.learner import LearnerHost
+from ray_diloco.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0
+
+
+class LearnerGroup:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        index: int,
+        *,
+        incarnation: int = 0,
+        log_level: str = "WARNING",
+        name_prefix: str = "",
+    ) -> None:
+        self.cfg, self.index, self.incarnation = cfg, index, incarnation
+        self.lg = cfg.learners[index]
+        self.name = self.lg.name
+        self.log_level = log_level
+        self.name_prefix = name_prefix or cfg.name
+        self.placement: resources.LearnerPlacement | None = None
+        self.hosts: list[Any] = []
+        self._seen_transitions = 0
+
+    def start(self, placement_timeout_s: float = 120.0) -> None:
+        """Reserve the hosts, create one actor per host and start their loops (returns once
+        every host has acknowledged `start`; training goes on in the actors' threads)."""
+        self.placement = resources.reserve_learner_group(
+            self.lg, name_prefix=self.name_prefix, timeout_s=placement_timeout_s
+        )
+        n = self.placement.num_hosts
+        self.hosts = [
+            LearnerHost.options(  # type: ignore[attr-defined]
+                **resources.host_options(self.placement, i),
+                name=f"{self.name_prefix}-{self.name}-{self.incarnation}-host{i}",
+                namespace=self.cfg.synchronizer.namespace,
+            ).remote(self.cfg, self.index, self.incarnation, i, n, self.log_level)
+            for i in range(n)
+        ]
+        if n > 1:
+            self._init_spmd()
+        logger.info("starting learner %s on %d host(s)", self.name, n)
+        ray.get([h.start.remote() for h in self.hosts], timeout=CALL_TIMEOUT_S * 4)
+
+    def _init_spmd(self) -> None:
+        """One jax.distributed job over the hosts; host 0 serves as coordinator."""
+        coordinator = ray.get(self.hosts[0].coordinator_address.remote(), timeout=120)
+        logger.info("learner %s: jax.distributed coordinator %s", self.name, coordinator)
+        ray.get([h.init_spmd.remote(coordinator) for h in self.hosts], timeout=180)
+
+    def status(self) -> dict[str, Any]:
+        """Host 0's status (it speaks for the learner), with an `alive` flag; never raises."""
+        try:
+            st: dict[str, Any] = ray.get(
+                self.hosts[0].status.remote(self._seen_transitions), timeout=CALL_TIMEOUT_S
+            )
+        except Exception as err:
+            kind = classify_ray_error(err)
+            logger.warning("learner %s: status failed (%s): %s", self.name, kind, err)
+            return {"learner": self.name, "alive": False, "failure": kind, "transitions": []}
+        self._seen_transitions += len(st["transitions"])
+        st["alive"] = True
+        return st
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask every host to finish its step and stop; wait (logged) until their loops end."""
+        for h in self.hosts:
+            h.stop.remote()
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(len(self.hosts)))
+        while pending and time.monotonic() < deadline:
+            still = []
+            for i in pending:
+                try:
+                    st = ray.get(self.hosts[i].status.remote(), timeout=CALL_TIMEOUT_S)
+                except Exception:  # a dead host has stopped, too
+                    continue
+                if st["state"] not in ("finished", "dead"):
+                    still.append(i)
+            pending = still
+            if pending:
+                logger.info("waiting for learner %s hosts %s to stop", self.name, pending)
+                time.sleep(0.2)
+        if pending:
+            logger.warning("learner %s hosts %s did not stop in %.0f s", self.name, pending, timeout_s)
+
+    def kill(self) -> None:
+        for h in self.hosts:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:
+                logger.debug("killing a host of learner %s", self.name, exc_info=True)
+
+    def release(self) -> None:
+        if self.placement is not None:
+            resources.release(self.placement)

@@ -1,0 +1,360 @@
+"""Layer: actors (Ray shell). The named, detached synchronizer actor.
+
+It wraps one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fencing, ledger)
+and carries its decisions out with real time and real transport, mirroring
+`simulate._run_diloco`: offers go to `core.offer`, a background thread closes due rounds
+(`close_due` under the lock, `merge` outside it, `commit` under it) and publishes each merged
+fragment once with `ray.put` to every registered learner, each send delayed by the learner's
+emulated downstream link. Progress reports and registration run in the `control` concurrency
+group and never queue behind offers (`data` group) or merges (background thread).
+
+Object ownership: learners push offers by value (fragments are small; Ray inlines arguments
+under 100 KiB, and a larger one lives only until this method returns). `core.offer` decodes the
+delta into arrays in this process right away; the synchronizer never keeps a reference to a
+learner-owned object. Everything it keeps or sends (published fragments via `ray.put`) is owned
+by the synchronizer, so a learner's death can never take a global fragment with it.
+
+State is checkpointed with Orbax every `checkpoint_every_rounds` rounds and on `shutdown()`, and
+restored in `__init__` when a checkpoint of the same state digest exists (after a restart, or
+when a run dir of an interrupted run is resumed).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ray_diloco.actors.delay import DelayedCalls
+from ray_diloco.actors.journal import Journal
+from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
+from ray_diloco.config import RunConfig
+from ray_diloco.control.events import ContributionRejected, RoundClosed
+from ray_diloco.log import setup_logging
+from ray_diloco.metrics import Metrics
+
+if TYPE_CHECKING:
+    from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.sync_core import Publication
+    from ray_diloco.algorithm.wire import Encoded
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
+
+
+def checkpoint_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.run_dir) / "checkpoints" / "synchronizer"
+
+
+@ray.remote(concurrency_groups={"control": 2, "data": 1})
+class Synchronizer:
+    def __init__(self, cfg: RunConfig, log_level: str = "WARNING") -> None:
+        setup_logging(log_level)
+        # JAX-using modules are imported here, not at module level: the driver imports this
+        # module to create the actor and must not need JAX.
+        from ray_diloco.algorithm import checkpoint, simulate, sync_core
+
+        self.cfg, self._ck, self._link_seconds = cfg, checkpoint, simulate.link_seconds
+        self._lock = threading.Lock()
+        self._ckpt_lock = threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self.setup = simulate.Setup.build(cfg)
+        self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
+        self.journal = Journal()
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
+        self.hosts: dict[str, list[Any]] = {}
+        self.regions = {lg.name: lg.region for lg in cfg.learners}
+        self.finished_at: float | None = None
+        self.restored: dict[str, Any] | None = None
+        self.checkpointer = self._restore() if cfg.checkpoint.enabled else None
+        self._saved_rounds = self.rounds()
+        self._links = DelayedCalls("publish-links")
+        self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
+        self._thread.start()
+
+    # -- control group: membership and progress -----------------------------------------------
+
+    @ray.method(concurrency_group="control")
+    def register(self, learner: str, incarnation: int, host_handles: list[Any]) -> dict[str, Any]:
+        """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
+        latest published version of every fragment and its data cursor from the ledger."""
+        with self._lock:
+            self.core.register(learner, incarnation, self._now())
+            self.hosts[learner] = list(host_handles)
+            snapshot = self.core.snapshot()
+            cursor = self.core.ledger.resume_cursor(learner)
+        logger.info("registered learner %s incarnation %d at cursor %d", learner, incarnation, cursor)
+        return {"snapshot": snapshot, "cursor": cursor, "finished": self.finished_at is not None}
+
+    @ray.method(concurrency_group="control")
+    def report(
+        self,
+        learner: str,
+        incarnation: int,
+        step: int,
+        step_time_s: float | None,
+        cursor: int,
+        loss: float | None,
+    ) -> dict[str, bool]:
+        """A progress report (the heartbeat). `ok` False: this incarnation is fenced (or the
+        synchronizer restarted and wants it to register again). `stop`: the budget is spent."""
+        with self._lock:
+            ok = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            if ok:
+                self.journal.progress(learner, step, cursor, loss, step_time_s)
+            if self.finished_at is None and self.core.ledger.tokens_trained >= self.cfg.token_budget:
+                # The run ends here, as the reference run's loop does: no round closes after.
+                self.finished_at = time.time()
+                logger.info("token budget reached (%d tokens)", self.core.ledger.tokens_trained)
+            return {"ok": ok, "stop": self.finished_at is not None}
+
+    @ray.method(concurrency_group="control")
+    def status(self, since_event: int = 0) -> dict[str, Any]:
+        with self._lock:
+            core, now = self.core, self._now()
+            rounds = self.rounds()
+            merged = {n: a.contributions for n, a in core.ledger.accounts.items()}
+            events, seq = self.journal.events_since(since_event)
+            return {
+                "run": self.cfg.name,
+                "config_digest": self._ck.state_digest(self.cfg),
+                "tokens": core.ledger.tokens_trained,
+                "rounds": rounds,
+                "versions": core.book.versions(),
+                "live": sorted(core.book.live(now)),
+                "mean_contributors": sum(merged.values()) / rounds if rounds else 0.0,
+                "contributions_merged": merged,
+                "heldout_loss": self.journal.last_loss,
+                "evals": list(self.journal.evals),
+                "bytes_up": dict(core.bytes_up),
+                "bytes_down": dict(core.bytes_down),
+                "rejected": dict(core.rejected),
+                "ledger_violations": core.ledger.violations(),
+                "learners": self.journal.learner_table(),
+                "finished": self.finished_at is not None,
+                "restored": self.restored,
+                "events": events,
+                "event_seq": seq,
+            }
+
+    @ray.method(concurrency_group="control")
+    def shutdown(self) -> str | None:
+        """Stop the round thread and the links, write a last checkpoint; returns its path."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._links.close()
+        return self.checkpoint()
+
+    # -- data group: contributions, evaluation, checkpoints -----------------------------------
+
+    @ray.method(concurrency_group="data")
+    def offer(self, meta: ContributionMeta, delta: dict[str, Encoded]) -> str:
+        """Take a contribution (pushed by value, decoded here); returns the Verdict value."""
+        with self._lock:
+            if self.finished_at is not None:
+                return "run_finished"
+            verdict = self.core.offer(meta, delta, self._now())
+        self._wake.set()
+        self.metrics.link_bytes(meta.learner, "up", sum(e.nbytes for e in delta.values()))
+        if verdict.value != "accepted":
+            self.metrics.contribution_rejected(verdict.value)
+            with self._lock:
+                self.journal.record(
+                    ContributionRejected(
+                        time.time(), meta.learner, meta.incarnation, meta.fragment, verdict.value
+                    )
+                )
+            logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, verdict)
+        return verdict.value
+
+    @ray.method(concurrency_group="data")
+    def evaluate(self) -> float:
+        """Held-out loss of the global parameters now (recorded in the history)."""
+        return self._evaluate()
+
+    @ray.method(concurrency_group="data")
+    def checkpoint(self) -> str | None:
+        """Write a checkpoint now unless the newest one already holds this state."""
+        if self.checkpointer is None:
+            return None
+        with self._ckpt_lock:
+            with self._lock:
+                rounds = self.rounds()
+                path = str(self.checkpointer.directory / str(rounds))
+                if rounds == self._saved_rounds and self.checkpointer.latest_step() == rounds:
+                    return path
+                arrays, meta = self._ck.sync_state_to_tree(self.core.state_dict())
+            meta = {**meta, "digest": self._ck.state_digest(self.cfg), "run": self.cfg.name}
+            self.checkpointer.save(rounds, arrays, meta)  # outside the lock: reports go on
+            self._saved_rounds = rounds
+        logger.info("checkpoint of %d rounds written to %s", rounds, path)
+        return path
+
+    # -- the round thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self._evaluate()  # the starting point of the loss curve; compiles the eval function
+        last_eval, last_eval_rounds = time.monotonic(), 0
+        while not self._stop.is_set():
+            self._wake.wait(timeout=self._idle_s())
+            self._wake.clear()
+            try:
+                self._close_rounds()
+                rounds = self.rounds()
+                if rounds - self._saved_rounds >= self.cfg.synchronizer.checkpoint_every_rounds:
+                    self.checkpoint()
+                due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
+                if due and rounds != last_eval_rounds:  # nothing to evaluate when idle
+                    self._evaluate()
+                    last_eval, last_eval_rounds = time.monotonic(), rounds
+            except Exception:  # the thread must survive anything a round throws
+                logger.exception("synchronizer round thread")
+
+    def _idle_s(self) -> float:
+        deadline = self.core.book.next_deadline()
+        if deadline is None:
+            return IDLE_POLL_S
+        return min(IDLE_POLL_S, max(0.0, deadline - self._now()))
+
+    def _close_rounds(self) -> None:
+        with self._lock:
+            if self.finished_at is not None:
+                return
+            closes = self.core.close_due(self._now())
+        for close in closes:
+            try:
+                pub = self.core.merge(close)  # outside the lock: offers and reports go on
+            except Exception:
+                logger.exception("merge of fragment %d failed; round put back", close.fragment)
+                with self._lock:
+                    self.core.book.abort(close, self._now())
+                continue
+            with self._lock:
+                self.core.commit(pub, self._now())
+                targets = self._targets()
+                for learner in targets:
+                    self.core.sent(learner, pub.nbytes)
+                self.journal.record(
+                    RoundClosed(
+                        time.time(),
+                        pub.fragment,
+                        pub.version,
+                        len(close.contributions),
+                        close.num_tokens,
+                    )
+                )
+            self._publish(pub, targets)
+            self._round_metrics(pub)
+
+    def _targets(self) -> dict[str, list[Any]]:
+        """Hosts of every registered learner that is not fenced or retired. Like the
+        reference run, a learner momentarily silent (compiling, blocked) still gets it."""
+        members = self.core.book.members
+        return {n: h for n, h in self.hosts.items() if n in members and members[n].active}
+
+    def _publish(self, pub: Publication, targets: dict[str, list[Any]]) -> None:
+        ref = ray.put(pub.encoded)  # owned by the synchronizer, shared by every send
+        for learner, handles in targets.items():
+            delay = self._link_seconds(self.cfg, self.regions.get(learner, LOCAL_REGION), pub.nbytes)
+            for host in handles:
+                send = functools.partial(_send, host, pub.fragment, pub.version, ref)
+                self._links.call_later(delay, send)
+            self.metrics.link_bytes(learner, "down", pub.nbytes)
+
+    def _round_metrics(self, pub: Publication) -> None:
+        m = self.metrics
+        m.outer_round()
+        m.contributors(len(pub.close.contributions))
+        m.grace_window(pub.close.grace_s)
+        for s in pub.close.staleness:
+            m.staleness(s)
+        m.global_version(pub.version)
+        m.live_learners(len(self.core.book.live(self._now())))
+
+    def _evaluate(self) -> float:
+        with self._lock:
+            tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
+        loss = self.setup.evaluate(self.core.global_params())
+        with self._lock:
+            self.journal.eval_point(tokens, rounds, loss)
+        self.metrics.heldout_loss(loss)
+        return loss
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def rounds(self) -> int:
+        return sum(self.core.book.versions().values())
+
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def _restore(self) -> Any:
+        directory = checkpoint_dir(self.cfg)
+        try:
+            checkpointer = self._ck.Checkpointer(directory, self.cfg.checkpoint.keep)
+        except OSError as err:
+            raise RuntimeError(
+                f"synchronizer: cannot create its checkpoint directory {directory} ({err}); "
+                "set run_dir to a writable path on the synchronizer's node or "
+                "checkpoint.enabled=false"
+            ) from err
+        restart = ray.get_runtime_context().was_current_actor_reconstructed
+        loaded = checkpointer.restore()
+        if loaded is None:
+            if restart:
+                logger.warning("synchronizer restarted with no checkpoint in %s", directory)
+            return checkpointer
+        arrays, meta = loaded
+        digest = self._ck.state_digest(self.cfg)
+        if meta.get("digest") != digest:
+            logger.warning(
+                "checkpoint in %s is for state digest %s, this run has %s: not restored",
+                directory,
+                meta.get("digest"),
+                digest,
+            )
+            return checkpointer
+        state = self._ck.sync_state_from_tree(arrays, meta, self.core.outer_states)
+        self.core.load_state_dict(state, self._now())
+        versions = self.core.book.versions()
+        self.restored = {"versions": versions, "rounds": self.rounds(), "restart": restart}
+        logger.warning(
+            "synchronizer %s from %s: %d rounds, versions %s",
+            "restarted and restored" if restart else "resumed",
+            directory,
+            self.rounds(),
+            versions,
+        )
+        return checkpointer
+
+
+def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
+    # Fire and forget: a learner that is down gets the latest version when it registers again.
+    host.receive.remote(fragment, version, ref)
+
+
+def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
+    """The named, detached, restartable actor pinned to the head (or its configured region)."""
+    s = cfg.synchronizer
+    placement = head_pin_options() if s.region == LOCAL_REGION else region_options(s.region)
+    return {
+        "name": s.name,
+        "namespace": s.namespace,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "max_restarts": -1,
+        "max_task_retries": -1,
+        "num_cpus": 0,
+        **placement,
+    }
+
+
+def get_or_create_synchronizer(cfg: RunConfig, log_level: str = "WARNING") -> Any:
+    return Synchronizer.options(**synchronizer_options(cfg)).remote(cfg, log_level)  # type: ignore[attr-defined]
