@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import glob
 import logging
+import math
 import os
 import sysconfig
 import zlib
@@ -190,39 +191,52 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     return Corpus(train_bytes, heldout_bytes, description)
 
 
-def shard_bounds(num_train_tokens: int, learner_index: int, num_learners: int) -> tuple[int, int]:
-    """The contiguous [start, end) slice of the train stream owned by one learner."""
-    if not 0 <= learner_index < num_learners:
-        raise ValueError(f"shard_bounds: learner_index {learner_index} not in [0, {num_learners})")
-    start = num_train_tokens * learner_index // num_learners
-    end = num_train_tokens * (learner_index + 1) // num_learners
-    return start, end
+@functools.lru_cache(maxsize=64)
+def _stride(num_windows: int) -> int:
+    """A multiplier coprime with `num_windows` near its golden-ratio point: k -> k * stride mod
+    num_windows is then a bijection that scatters neighbouring k far apart."""
+    stride = max(1, int(num_windows * 0.6180339887)) | 1
+    while math.gcd(stride, num_windows) != 1:
+        stride += 2
+    return stride
 
 
-def _windows(
-    stream: np.ndarray, lo: int, length: int, starts: np.ndarray, seq_len: int
-) -> tuple[np.ndarray, np.ndarray]:
-    # Windows of seq_len + 1 bytes wrapping inside [lo, lo + length): x and y overlap by T bytes.
-    idx = lo + (starts[:, None] + np.arange(seq_len + 1)[None, :]) % length
+def window_starts(
+    num_train_tokens: int, shard: tuple[int, int], first: int, count: int, seq_len: int
+) -> np.ndarray:
+    """Start offsets of windows `first .. first+count-1` of shard (index, num_shards).
+
+    The train stream is cut into windows of T tokens, visited in a fixed pseudo-random order
+    (a multiplicative permutation, one full epoch before any window repeats); learner i of M
+    takes every M-th window of that order, so shards are disjoint and identically distributed.
+    A pure function of its arguments: resuming from a cursor replays the same stream."""
+    index, num_shards = shard
+    if not 0 <= index < num_shards:
+        raise ValueError(f"shard index {index} not in [0, {num_shards})")
+    num_windows = (num_train_tokens - 1) // seq_len
+    if num_windows < num_shards:
+        raise ValueError(
+            f"the train stream has {num_windows} windows of seq_len={seq_len} for "
+            f"{num_shards} learners; use a bigger corpus (data.paths) or a shorter seq_len"
+        )
+    k = np.arange(first, first + count, dtype=np.int64) * num_shards + index
+    return (k * _stride(num_windows) % num_windows) * seq_len
+
+
+def _windows(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    # Windows of seq_len + 1 bytes (x and y overlap by T), wrapping only in a stream too short.
+    idx = (starts[:, None] + np.arange(seq_len + 1)[None, :]) % stream.size
     window = stream[idx].astype(np.int32)
     return window[:, :-1], window[:, 1:]
 
 
 def batch_at(
-    train: np.ndarray, bounds: tuple[int, int], cursor: int, batch_size: int, seq_len: int
+    train: np.ndarray, shard: tuple[int, int], cursor: int, batch_size: int, seq_len: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Batch number `cursor // (batch_size * seq_len)` of a shard: x, y int32[B, T] and the next
-    cursor. Sequence b starts at shard offset (cursor + b*T) mod shard_len; a pure function of
-    its arguments, so resuming from a saved cursor replays the exact same stream."""
-    start, end = bounds
-    length = end - start
-    if length < seq_len + 1:
-        raise ValueError(
-            f"batch_at: shard [{start}, {end}) has {length} bytes, fewer than seq_len + 1 = "
-            f"{seq_len + 1}; use fewer learners, a shorter seq_len or a bigger corpus"
-        )
-    starts = (cursor + np.arange(batch_size, dtype=np.int64) * seq_len) % length
-    x, y = _windows(train, start, length, starts, seq_len)
+    """The batch at token offset `cursor` of a shard: x, y int32[B, T] and the next cursor
+    (`cursor + B*T`). The cursor counts the shard's tokens consumed, across epochs."""
+    starts = window_starts(len(train), shard, cursor // seq_len, batch_size, seq_len)
+    x, y = _windows(train, starts, seq_len)
     return x, y, cursor + batch_size * seq_len
 
 
@@ -238,6 +252,6 @@ def heldout_batches(
     # Spread over the positions where a full window fits; wrap only if the stream is shorter.
     span = max(stream.size - seq_len, 1)
     starts = np.arange(count, dtype=np.int64) * span // count
-    x, y = _windows(stream, 0, stream.size, starts, seq_len)
+    x, y = _windows(stream, starts, seq_len)
     b = cfg.eval_batch_size
     return [(x[i : i + b], y[i : i + b]) for i in range(0, count, b)]

@@ -100,7 +100,7 @@ def _elastic(
 ) -> tuple[float, float, int]:
     """(goodput, uptime, reconfigurations) of one elastic job on slices [lo, hi)."""
     dur, pause = trace.duration_s, cfg.reconfig_pause_s
-    mask = (trace.slice_id >= lo) & (trace.slice_id < hi)
+    mask = trace.of_slices(lo, hi)
     fail, ret = trace.fail_s[mask], trace.return_s[mask]
     chips = trace.slice_chips[trace.slice_id[mask]]
     total = int(trace.slice_chips[lo:hi].sum())
@@ -194,7 +194,7 @@ class DecoupledSim:
         self.chips = [int(trace.slice_chips[lo:hi].sum()) for lo, hi in groups]
         self.up: list[tuple[np.ndarray, np.ndarray]] = []
         for lo, hi in groups:
-            mask = (trace.slice_id >= lo) & (trace.slice_id < hi)
+            mask = trace.of_slices(lo, hi)
             self.up.append(
                 available(
                     trace.fail_s[mask],

@@ -79,10 +79,9 @@ class FailureTrace:
     def num_failures(self) -> int:
         return len(self.fail_s)
 
-    def select(self, slices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The failures of a subset of slices (a learner's), as (fail_s, return_s)."""
-        mask = np.isin(self.slice_id, slices)
-        return self.fail_s[mask], self.return_s[mask]
+    def of_slices(self, lo: int, hi: int) -> np.ndarray:
+        """Mask of the failures of slices [lo, hi) (a learner's contiguous group)."""
+        return (self.slice_id >= lo) & (self.slice_id < hi)
 
 
 def slice_sizes(chips: int, chips_per_slice: int) -> np.ndarray:

@@ -67,7 +67,7 @@ class LearnerCore:
         self.incarnation = incarnation
         self.plan = plan
         self.train_tokens = train_tokens
-        self.bounds = data.shard_bounds(len(train_tokens), shard_index, num_shards)
+        self.shard = (shard_index, num_shards)
         self.tokens_per_step = learner.batch_size * cfg.model.seq_len
         steps = total_steps or total_inner_steps(cfg, learner.batch_size)
         self.tx, self.step_fn = _compiled_step(cfg.model, cfg.inner, steps)
@@ -142,7 +142,7 @@ class LearnerCore:
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         x, y, _ = data.batch_at(
-            self.train_tokens, self.bounds, self.cursor, self.batch_size, self.cfg.model.seq_len
+            self.train_tokens, self.shard, self.cursor, self.batch_size, self.cfg.model.seq_len
         )
         return x, y
 

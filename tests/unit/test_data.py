@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 from pathlib import Path
@@ -104,41 +103,42 @@ def test_bad_paths_name_the_path_and_the_fix(tmp_path: Path) -> None:
         data.load_corpus(DataConfig(paths=(str(tmp_path),)), 0)
 
 
-def test_shard_bounds_partition_the_stream() -> None:
-    bounds = [data.shard_bounds(1003, i, 4) for i in range(4)]
-    assert bounds[0][0] == 0 and bounds[-1][1] == 1003
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-    assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1
-    with pytest.raises(ValueError):
-        data.shard_bounds(1003, 4, 4)
+def test_shards_are_disjoint_and_one_epoch_visits_every_window_once() -> None:
+    num_tokens, seq_len, shards = 1001, 8, 4  # 125 windows
+    starts = [data.window_starts(num_tokens, (i, shards), 0, 31, seq_len) for i in range(shards)]
+    every = np.concatenate([*starts, data.window_starts(num_tokens, (0, shards), 31, 1, seq_len)])
+    assert sorted(every.tolist()) == list(range(0, 1000, 8))  # a permutation of all windows
+    # neighbouring windows of a shard are scattered, not consecutive text
+    assert np.abs(np.diff(starts[0])).min() > seq_len
+    # the next epoch replays the same order
+    again = data.window_starts(num_tokens, (2, shards), 125, 3, seq_len)
+    np.testing.assert_array_equal(again, data.window_starts(num_tokens, (2, shards), 0, 3, seq_len))
+    with pytest.raises(ValueError, match="shard index"):
+        data.window_starts(num_tokens, (4, 4), 0, 1, seq_len)
+    with pytest.raises(ValueError, match="bigger corpus"):
+        data.window_starts(20, (0, 4), 0, 1, seq_len)
 
 
-def test_batch_at_windows_and_wrap_inside_the_shard() -> None:
-    train = np.arange(1000, dtype=np.int64).astype(np.uint8)
-    bounds = (200, 300)  # 100 bytes: values 200..255, 0..43
-    x, y, nxt = data.batch_at(train, bounds, 0, batch_size=3, seq_len=8)
+def test_batch_at_returns_shifted_windows_and_advances_the_cursor() -> None:
+    train = (np.arange(1001) % 251).astype(np.uint8)
+    x, y, nxt = data.batch_at(train, (1, 2), 0, batch_size=3, seq_len=8)
     assert x.shape == y.shape == (3, 8) and x.dtype == np.int32 and nxt == 24
-    np.testing.assert_array_equal(x[1], train[208:216])
+    starts = data.window_starts(train.size, (1, 2), 0, 3, 8)
+    np.testing.assert_array_equal(x[1], train[starts[1] : starts[1] + 8])
     np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
-    # Cursor 95: the window runs off the shard's end and continues at the shard's start.
-    x, y, nxt = data.batch_at(train, bounds, 95, batch_size=1, seq_len=8)
-    expected = np.concatenate([train[295:300], train[200:204]])
-    np.testing.assert_array_equal(np.concatenate([x[0], y[0, -1:]]), expected)
-    assert nxt == 103
-    big = data.batch_at(train, bounds, 10_000 + 95, 1, 8)
-    np.testing.assert_array_equal(big[0], x)  # cursor is taken modulo the shard length
-    with pytest.raises(ValueError, match="seq_len"):
-        data.batch_at(train, (0, 8), 0, 1, 8)
+    x2, _, nxt2 = data.batch_at(train, (1, 2), 8, batch_size=2, seq_len=8)
+    np.testing.assert_array_equal(x2, x[1:])  # a cursor inside the stream starts mid-batch
+    assert nxt2 == 24
 
 
 def test_resume_from_cursor_reproduces_the_stream() -> None:
     corpus = data.load_corpus(SYNTH, 0)
-    bounds = data.shard_bounds(corpus.train.size, 1, 3)
+    shard = (1, 3)
 
     def run(cursor: int, steps: int) -> tuple[list[np.ndarray], int]:
         out = []
         for _ in range(steps):
-            x, y, cursor = data.batch_at(corpus.train, bounds, cursor, 8, 16)
+            x, y, cursor = data.batch_at(corpus.train, shard, cursor, 8, 16)
             out.append(np.stack([x, y]))
         return out, cursor
 
