@@ -97,7 +97,7 @@ def _write(
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["ray-diloco", "simulate-goodput", *argv])
-    (out / "goodput.json").write_text(
+    (out / "goodput_sim.json").write_text(
         json.dumps(
             {
                 "goodput_sim": cfg.goodput_sim.model_dump(mode="json"),
@@ -107,11 +107,11 @@ def _write(
             indent=2,
         )
     )
-    (out / "goodput.md").write_text(
+    (out / "goodput_sim.md").write_text(
         f"{table}\n{cfg.goodput_sim.duration_days:g} simulated days, {wall_s:.1f} s wall.\n\n"
         f"```\n{command}\n```\n"
     )
-    plot(rows, out / "goodput.png")
+    plot(rows, out / "goodput_sim.png")
 
 
 def simulate_goodput_main(argv: list[str] | None = None) -> int:
@@ -132,7 +132,7 @@ def simulate_goodput_main(argv: list[str] | None = None) -> int:
     )
     if args.out is not None:
         _write(args.out, argv, cfg, rows, table, wall_s)
-        print(f"wrote {args.out}/goodput.json, goodput.md, goodput.png")
+        print(f"wrote {args.out}/goodput_sim.json, goodput_sim.md, goodput_sim.png")
     return 0
 
 

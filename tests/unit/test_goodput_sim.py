@@ -234,10 +234,10 @@ def test_cli_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     argv += ["--set", "goodput_sim.round_period_s=300", "--out", str(tmp_path)]
     assert simulate_goodput_main(argv) == 0
     assert "decoupled M=4" in capsys.readouterr().out
-    data = json.loads((tmp_path / "goodput.json").read_text())
+    data = json.loads((tmp_path / "goodput_sim.json").read_text())
     assert data["goodput_sim"]["duration_days"] == 0.2 and len(data["rows"]) == 2 * (2 + 4)
-    assert "simulate-goodput --chips 4096" in (tmp_path / "goodput.md").read_text()
-    assert (tmp_path / "goodput.png").stat().st_size > 0
+    assert "simulate-goodput --chips 4096" in (tmp_path / "goodput_sim.md").read_text()
+    assert (tmp_path / "goodput_sim.png").stat().st_size > 0
     assert simulate_goodput_main(["--set", "goodput_sim.recovery=pareto"]) == 2
 
 
