@@ -123,6 +123,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
     blocked = [False] * len(learners)
     busy = [0.0] * len(learners)  # seconds of completed inner steps: the productive time
+    done_s = [0.0] * len(learners)  # when each learner last completed a step
     polls: set[float] = set()
     wan = links.LinkEmulator(cfg.links)
     for i, lg in enumerate(cfg.learners):
@@ -158,6 +159,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
         if kind == "step":
             i, dt = payload
             busy[i] += dt
+            done_s[i] = now
             core, lg = learners[i], cfg.learners[i]
             core.train_step(*core.next_batch())
             sync.report(lg.name, core.incarnation, now, dt, core.cursor)
@@ -184,7 +186,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
     summary = summarize_diloco(setup, sync, learners, sim.evals, now)
     lost = _lost_fraction(sync)
-    return summary | {"work_lost_fraction": lost, "goodput": _goodput(busy, now) * (1 - lost)}
+    return summary | {"work_lost_fraction": lost, "goodput": _goodput(busy, done_s) * (1 - lost)}
 
 
 def _rounds(sync: SynchronizerCore) -> int:
@@ -222,7 +224,7 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
     return {
-        "goodput": _goodput(busy, now),
+        "goodput": _goodput(busy, [now] * len(busy)),
         **_common_summary(setup, sim.evals, now),
         "tokens": core.cursor,
         "inner_steps": core.step,
@@ -240,11 +242,12 @@ def _lost_fraction(sync: SynchronizerCore) -> float:
     return sync.rejected_tokens / trained if trained else 0.0
 
 
-def _goodput(busy: list[float], now: float) -> float:
-    """Fault-free goodput (algorithm.md section 9): completed step seconds over allocated
-    seconds. What is lost is time blocked on a barrier, waiting for the slowest host or for
-    the all-reduce, and the unfinished step each learner is in when the budget is reached."""
-    return sum(busy) / (len(busy) * now) if now else 1.0
+def _goodput(busy: list[float], until: list[float]) -> float:
+    """Fault-free goodput (algorithm.md section 9): step seconds over allocated seconds, each
+    learner's allocation ending with its last completed step (the step it is in when the budget
+    is reached is cut off by stopping, not lost). What remains lost is time blocked on a
+    barrier, waiting for the slowest host or for the all-reduce."""
+    return sum(busy) / sum(until) if sum(until) else 1.0
 
 
 def _full_snapshot(setup: Setup) -> dict[int, tuple[int, dict[str, Any]]]:
