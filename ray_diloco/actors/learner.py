@@ -5,17 +5,17 @@ synchronous blocking), driven here with real time and real transport in the orde
 `simulate._run_diloco`'s step event: train, pad the step to the emulated speed, report, offer,
 then apply what arrived at the step boundary (and in synchronous mode wait while `blocked_on`).
 Methods return at once: `start()` launches the loop on a thread, `receive()` only queues a
-published fragment, `status()`/`stop()`/`ping()` read or set flags. Reports are not awaited
-(their replies are read with `ray.wait(timeout=0)`); offers leave through a sender thread that
-holds each one for the emulated upstream link time. In a learner with several hosts, host 0
-talks to the synchronizer and the others follow it (`spmd.py`).
+published fragment for the next step boundary, `status()`/`stop()`/`ping()` read or set flags.
+The synchronizer side (reports not awaited, offers held for the emulated uplink) lives in
+`learner_channel.py`. In a learner with several hosts, host 0 talks to the synchronizer and
+broadcasts its decisions to the others at every step boundary (`spmd.py`).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
+import os
 import threading
 import time
 import traceback
@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ray_diloco.actors.delay import DelayedCalls
-from ray_diloco.actors.errors import classify_ray_error
+from ray_diloco.actors.learner_channel import Fenced, SyncChannel
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import LearnerState
 from ray_diloco.log import setup_logging
@@ -36,15 +35,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_REPORTS_IN_FLIGHT = 16  # beyond this the loop waits for the synchronizer (logged)
 BLOCKED_WARN_S = 30.0
 
 
-class Fenced(Exception):
-    """The synchronizer refused this incarnation (a newer one registered)."""
-
-
-@ray.remote(max_concurrency=4, max_restarts=0)
+@ray.remote(max_concurrency=4, max_restarts=0)  # type: ignore[call-overload]
 class LearnerHost:
     def __init__(
         self,
@@ -61,39 +55,41 @@ class LearnerHost:
         self.name, self.host_index, self.num_hosts = self.lg.name, host_index, num_hosts
         self._cond = threading.Condition()
         self._stop = threading.Event()
+        self._incoming: list[tuple[int, int, Any]] = []  # received, not yet at a boundary
         self.stop_reason = ""
         self.transitions: list[dict[str, Any]] = []
         self.state = LearnerState.STARTING
         self._set_state(LearnerState.STARTING, "created")
         self.core: LearnerCore | None = None
-        self._early: list[tuple[int, int, Any]] = []  # fragments received before the core
         self.error: str | None = None
         self.counts = collections.Counter[str]()
         self.loss: float | None = None
-        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
-        self._reports: collections.deque[Any] = collections.deque()
-        self._offers: collections.deque[Any] = collections.deque()
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0)
         self._thread: threading.Thread | None = None
-        self.spmd: Any = None  # set by init_spmd for learners with several hosts
 
     # -- methods (all return at once) --------------------------------------------------------
 
-    def start(self) -> bool:
+    def start(self, coordinator: str | None = None) -> bool:
+        """Start the loop; `coordinator` (host 0's address) joins a multi-host learner."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="inner-loop", daemon=True)
+            self._thread = threading.Thread(
+                target=self._main, args=(coordinator,), name="inner-loop", daemon=True
+            )
             self._thread.start()
         return True
 
+    def coordinator_address(self) -> str:
+        from ray_diloco.actors import spmd
+
+        return spmd.free_address()
+
     def receive(self, fragment: int, version: int, encoded: dict[str, Encoded]) -> None:
-        """A published fragment (a synchronizer-owned object); applied at a step boundary."""
+        """A published fragment (a synchronizer-owned object), for the next step boundary."""
         from ray_diloco.algorithm.wire import decode_tree
 
         values = decode_tree(encoded)
         with self._cond:
-            if self.core is None:
-                self._early.append((fragment, version, values))
-            else:
-                self.core.receive(fragment, version, values)
+            self._incoming.append((fragment, version, values))
             self.counts["received"] += 1
             self._cond.notify_all()
 
@@ -114,21 +110,36 @@ class LearnerHost:
         }
 
     def stop(self, reason: str = "stopped by the driver") -> None:
+        """Finish at the next step boundary (in a multi-host learner, host 0 decides)."""
         if not self._stop.is_set():
             self.stop_reason = reason
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
 
-    def ping(self) -> str:
-        return "ok"
+    def ping(self) -> dict[str, Any]:
+        """A cheap liveness answer: who this is, where it runs, how far it got."""
+        ctx = ray.get_runtime_context()
+        return {
+            "learner": self.name,
+            "host": self.host_index,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "state": self.state.value,
+            "step": self.core.step if self.core else 0,
+        }
 
     # -- the inner loop (its own thread) -----------------------------------------------------
 
-    def _main(self) -> None:
-        sender = DelayedCalls(f"{self.name}-uplink")
+    def _main(self, coordinator: str | None) -> None:
+        from ray_diloco.actors import spmd
+
         try:
-            self._run(sender)
+            if self.num_hosts > 1:
+                assert coordinator is not None, "a multi-host learner needs a coordinator"
+                spmd.initialize(coordinator, self.num_hosts, self.host_index)
+            self._run()
         except Fenced as err:
             self.stop_reason = str(err)
             logger.warning("learner %s: %s", self.name, err)
@@ -137,157 +148,110 @@ class LearnerHost:
             logger.exception("learner %s host %d failed", self.name, self.host_index)
             self._set_state(LearnerState.DEAD, f"{type(err).__name__}: {err}")
             return
-        finally:
-            sender.close()
         self._set_state(LearnerState.FINISHED, self.stop_reason or "stopped")
 
-    def _run(self, sender: DelayedCalls) -> None:
+    def _run(self) -> None:
+        from ray_diloco.actors import spmd
         from ray_diloco.algorithm import simulate
+
+        leader = self.host_index == 0
+        channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
+        link: Any = spmd.LocalLink()
+        layout, plan = None, None
+        if self.num_hosts > 1:
+            setup = simulate.Setup.build(self.cfg)  # the fragment plan and shapes, as host 0's
+            shapes = {k: v.shape for k, v in setup.init.items()}
+            link, layout = spmd.HostLink(setup.plan.fragments, shapes), spmd.SpmdLayout()
+            plan = None if leader else setup.plan
+        try:
+            self._train(link, layout, channel, plan)
+        finally:
+            if channel is not None:
+                channel.close()
+            link.close()
+
+    def _train(self, link: Any, layout: Any, channel: SyncChannel | None, plan: Any) -> None:
+        from ray_diloco.algorithm import data, simulate
         from ray_diloco.algorithm.learner_core import LearnerCore
-        from ray_diloco.algorithm.wire import tree_bytes
 
         cfg, lg = self.cfg, self.lg
-        sync = ray.get_actor(cfg.synchronizer.name, namespace=cfg.synchronizer.namespace)
-        reply = self._register(sync)
-        setup = simulate.Setup.build(cfg)
+        reply: dict[str, Any] = {"snapshot": None, "cursor": 0, "plan": plan}
+        if channel is not None:
+            reply = channel.register(self.stop)
+        snapshot, cursor = link.share_start(reply["snapshot"], reply["cursor"])
         core = LearnerCore(
             cfg,
             lg,
-            setup.plan,
-            reply["snapshot"],
-            setup.corpus.train,
+            reply["plan"],
+            snapshot,
+            data.load_corpus(cfg.data, cfg.seed).train,
             incarnation=self.incarnation,
-            cursor=reply["cursor"],
+            cursor=cursor,
             shard_index=self.index,
             num_shards=cfg.num_learners,
+            layout=layout,
         )
-        with self._cond:
-            self.core = core
-            for early in self._early:
-                core.receive(*early)
-            self._early.clear()
+        self.core = core
         clock = simulate.StepClock(cfg, lg, self.index)  # the reference run's seeded jitter
         self._set_state(LearnerState.COMPILING, "first step")
-        while not self._stop.is_set():
+        while True:
             t0 = time.perf_counter()
             self.loss = core.train_step(*core.next_batch())
             offers = core.offers()
             if self.state is LearnerState.COMPILING:
                 self._set_state(LearnerState.TRAINING, "compiled")
-            else:
+            elif channel is not None:
                 # Emulated speed: a step that computed in t takes t/speed*(1+jitter*N(0,1)).
                 target = (time.perf_counter() - t0) * clock.next() / cfg.step_time_s
                 self._stop.wait(max(0.0, target - (time.perf_counter() - t0)))
-            step_time = time.perf_counter() - t0
-            self._report(sync, step_time)
-            self.metrics.tokens(self.name, core.tokens_per_step)
-            self.metrics.step_time(self.name, step_time)
-            for meta, delta in offers:
-                delay = simulate.link_seconds(cfg, lg.region, tree_bytes(delta))
-                sender.call_later(delay, functools.partial(self._offer, sync, meta, delta))
-            self._drain_offers()
-            self._step_boundary(sync, core)
-
-    def _register(self, sync: Any) -> dict[str, Any]:
-        me = ray.get_runtime_context().current_actor
-        logger.info("learner %s: registering with the synchronizer", self.name)
-        try:
-            reply: dict[str, Any] = ray.get(
-                sync.register.remote(self.name, self.incarnation, [me]), timeout=300
-            )
-        except ray.exceptions.RayTaskError as err:
-            if isinstance(err.cause, ValueError):  # an older incarnation: fenced
-                raise Fenced(str(err.cause)) from err
-            raise
-        if reply["finished"]:
-            self.stop("token budget reached before this learner started")
-        return reply
-
-    def _report(self, sync: Any, step_time: float | None) -> None:
-        core = self.core
-        assert core is not None
-        self._reports.append(
-            sync.report.remote(
-                self.name, self.incarnation, core.step, step_time, core.cursor, self.loss
-            )
-        )
-        self._drain_reports(sync, block=len(self._reports) > MAX_REPORTS_IN_FLIGHT)
-
-    def _drain_reports(self, sync: Any, block: bool = False) -> None:
-        while self._reports:
-            if block:
-                logger.info("learner %s waits for the synchronizer to answer reports", self.name)
-            ready, _ = ray.wait([self._reports[0]], timeout=None if block else 0)
-            block = False
-            if not ready:
+            if channel is not None:
+                step_time = time.perf_counter() - t0
+                channel.report(core, step_time, self.loss, self.stop)
+                channel.offer(offers)
+                self.metrics.tokens(self.name, core.tokens_per_step)
+                self.metrics.step_time(self.name, step_time)
+            if not self._step_boundary(core, link, channel):
                 return
-            try:
-                reply = ray.get(self._reports.popleft())
-            except ray.exceptions.RayError as err:
-                kind = classify_ray_error(err)
-                self.counts[f"report_error_{kind}"] += 1
-                logger.warning("learner %s: report failed (%s): %s", self.name, kind, err)
-                continue
-            if reply["stop"]:
-                self.stop("token budget reached")
-            elif not reply["ok"]:
-                self._rejoin(sync)
 
-    def _rejoin(self, sync: Any) -> None:
-        """The synchronizer does not know this incarnation (it restarted from a checkpoint):
-        register again and adopt its current versions (algorithm.md section 7)."""
-        logger.warning("learner %s: report refused; registering again", self.name)
-        self._reports.clear()
-        reply = self._register(sync)
-        with self._cond:
-            assert self.core is not None
-            self.core.adopt(reply["snapshot"])
-        self.counts["rejoins"] += 1
-
-    def _offer(self, sync: Any, meta: Any, delta: dict[str, Encoded]) -> None:
-        self._offers.append(sync.offer.remote(meta, delta))  # runs on the sender thread
-
-    def _drain_offers(self) -> None:
-        while self._offers:
-            ready, _ = ray.wait([self._offers[0]], timeout=0)
-            if not ready:
-                return
-            try:
-                verdict = ray.get(self._offers.popleft())
-            except ray.exceptions.RayError as err:
-                verdict = f"error_{classify_ray_error(err)}"
-            self.counts[f"offer_{verdict}"] += 1
-
-    def _step_boundary(self, sync: Any, core: LearnerCore) -> None:
-        with self._cond:
-            core.apply_received()
-            waiting = core.blocked_on()
-        if not waiting:
-            return
-        # Synchronous mode: wait for the fragments offered tau steps ago. Keep reporting (as a
-        # heartbeat, without a step time) so the synchronizer sees this learner alive and the
-        # stop at the token budget reaches it.
-        self._set_state(LearnerState.BLOCKED, f"waiting for fragments {waiting}")
-        logger.debug("learner %s waits for fragments %s", self.name, waiting)
-        beat = self.cfg.synchronizer.heartbeat_timeout_s / 3
-        start = next_beat = time.monotonic()
-        warned = False
-        while waiting and not self._stop.is_set():
-            if time.monotonic() >= next_beat:
-                self._report(sync, None)
-                next_beat = time.monotonic() + beat
-            if not warned and time.monotonic() - start > BLOCKED_WARN_S:
-                logger.warning("learner %s waits for fragments %s", self.name, waiting)
-                warned = True
+    def _step_boundary(self, core: LearnerCore, link: Any, channel: SyncChannel | None) -> bool:
+        """Apply what arrived; in synchronous mode wait while `blocked_on`. All hosts of a
+        learner go through here in lock-step. Returns False when the learner must stop."""
+        blocked_since: float | None = None
+        while True:
             with self._cond:
-                # Check and wait under one lock hold, so a receive() cannot slip in between.
-                core.apply_received()
-                waiting = core.blocked_on()
-                if waiting:
-                    self._cond.wait(timeout=min(beat, 0.5))
-            self._drain_reports(sync)
-        if not self._stop.is_set():
-            self._set_state(LearnerState.TRAINING, "fragments arrived")
+                items, self._incoming = self._incoming, []
+                stop = self._stop.is_set()
+            items, stop = link.share_step(items, stop)
+            for item in items:
+                core.receive(*item)
+            core.apply_received()
+            if stop:
+                return False
+            waiting = core.blocked_on()
+            if not waiting:
+                if blocked_since is not None:
+                    self._set_state(LearnerState.TRAINING, "fragments arrived")
+                return True
+            if blocked_since is None:
+                blocked_since = time.monotonic()
+                self._set_state(LearnerState.BLOCKED, f"waiting for fragments {waiting}")
+                logger.debug("learner %s waits for fragments %s", self.name, waiting)
+            if channel is not None:
+                self._wait_for_fragments(core, channel, waiting, blocked_since)
+
+    def _wait_for_fragments(
+        self, core: LearnerCore, channel: SyncChannel, waiting: list[int], since: float
+    ) -> None:
+        """Host 0, synchronous mode: sleep until a fragment arrives or the run stops. Report
+        meanwhile (as a heartbeat, without a step time) so the synchronizer sees this learner
+        alive and the stop at the token budget reaches it."""
+        with self._cond:
+            if not self._incoming and not self._stop.is_set():
+                self._cond.wait(timeout=0.5)
+        channel.heartbeat(core, self.loss, self.stop)
+        if time.monotonic() - since > BLOCKED_WARN_S and not self.counts["warned_blocked"]:
+            self.counts["warned_blocked"] += 1
+            logger.warning("learner %s waits for fragments %s", self.name, waiting)
 
     def _set_state(self, state: LearnerState, reason: str) -> None:
         self.state = state

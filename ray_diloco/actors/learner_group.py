@@ -19,7 +19,7 @@ import ray
 from ray_diloco.actors import resources
 from ray_diloco.actors.errors import classify_ray_error
 from ray_diloco.actors.learner import LearnerHost
-from ray_diloco.config import RunConfig
+from ray_diloco.config import ConfigError, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,11 @@ class LearnerGroup:
         incarnation: int = 0,
         log_level: str = "WARNING",
         name_prefix: str = "",
+        pin_region: bool = True,
     ) -> None:
         self.cfg, self.index, self.incarnation = cfg, index, incarnation
         self.lg = cfg.learners[index]
+        self.pin_region = pin_region
         self.name = self.lg.name
         self.log_level = log_level
         self.name_prefix = name_prefix or cfg.name
@@ -45,13 +47,25 @@ class LearnerGroup:
         self.hosts: list[Any] = []
         self._seen_transitions = 0
 
-    def start(self, placement_timeout_s: float = 120.0) -> None:
-        """Reserve the hosts, create one actor per host and start their loops (returns once
-        every host has acknowledged `start`; training goes on in the actors' threads)."""
-        self.placement = resources.reserve_learner_group(
-            self.lg, name_prefix=self.name_prefix, timeout_s=placement_timeout_s
+    def create(
+        self,
+        placement_timeout_s: float = 120.0,
+        placement: resources.LearnerPlacement | None = None,
+    ) -> None:
+        """Reserve the hosts (or reuse `placement`, a previous incarnation's) and create one
+        actor per host (their processes boot in the background, so a driver creates every
+        group before it starts any)."""
+        # Without region labels in the cluster the region only selects the emulated link.
+        where = self.lg if self.pin_region else self.lg.model_copy(update={"region": "local"})
+        self.placement = placement or resources.reserve_learner_group(
+            where, name_prefix=self.name_prefix, timeout_s=placement_timeout_s
         )
         n = self.placement.num_hosts
+        if n != self.lg.num_hosts:
+            raise ConfigError(
+                f"learner {self.name!r}: topology {self.lg.topology} has {n} hosts but "
+                f"learners[{self.index}].num_hosts={self.lg.num_hosts}; set num_hosts={n}"
+            )
         self.hosts = [
             LearnerHost.options(  # type: ignore[attr-defined]
                 **resources.host_options(self.placement, i),
@@ -60,16 +74,17 @@ class LearnerGroup:
             ).remote(self.cfg, self.index, self.incarnation, i, n, self.log_level)
             for i in range(n)
         ]
-        if n > 1:
-            self._init_spmd()
-        logger.info("starting learner %s on %d host(s)", self.name, n)
-        ray.get([h.start.remote() for h in self.hosts], timeout=CALL_TIMEOUT_S * 4)
 
-    def _init_spmd(self) -> None:
-        """One jax.distributed job over the hosts; host 0 serves as coordinator."""
-        coordinator = ray.get(self.hosts[0].coordinator_address.remote(), timeout=120)
-        logger.info("learner %s: jax.distributed coordinator %s", self.name, coordinator)
-        ray.get([h.init_spmd.remote(coordinator) for h in self.hosts], timeout=180)
+    def start(self) -> None:
+        """Start the hosts' loops; returns once every host acknowledged (training goes on in
+        the actors' threads). Multi-host learners first join one jax.distributed job."""
+        coordinator = None
+        if len(self.hosts) > 1:  # one jax.distributed job; host 0 serves as coordinator
+            coordinator = ray.get(self.hosts[0].coordinator_address.remote(), timeout=300)
+            logger.info("learner %s: jax.distributed coordinator %s", self.name, coordinator)
+        logger.info("starting learner %s on %d host(s)", self.name, len(self.hosts))
+        starts = [h.start.remote(coordinator) for h in self.hosts]
+        ray.get(starts, timeout=CALL_TIMEOUT_S * 10)
 
     def status(self) -> dict[str, Any]:
         """Host 0's status (it speaks for the learner), with an `alive` flag; never raises."""
@@ -105,7 +120,9 @@ class LearnerGroup:
                 logger.info("waiting for learner %s hosts %s to stop", self.name, pending)
                 time.sleep(0.2)
         if pending:
-            logger.warning("learner %s hosts %s did not stop in %.0f s", self.name, pending, timeout_s)
+            logger.warning(
+                "learner %s hosts %s did not stop in %.0f s", self.name, pending, timeout_s
+            )
 
     def kill(self) -> None:
         for h in self.hosts:
@@ -117,3 +134,14 @@ class LearnerGroup:
     def release(self) -> None:
         if self.placement is not None:
             resources.release(self.placement)
+
+
+def regions_are_labelled() -> bool:
+    """True when some alive node carries a region label: learner regions are then placement
+    constraints. On a cluster without (a laptop, one `ray start --head`) they only select
+    the emulated WAN link of each learner."""
+    return any(
+        resources.REGION_LABEL in (node.get("Labels") or {})
+        for node in ray.nodes()
+        if node.get("Alive")
+    )

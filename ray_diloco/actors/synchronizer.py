@@ -22,10 +22,10 @@ when a run dir of an interrupted run is resumed).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -33,6 +33,7 @@ import ray
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
+from ray_diloco.actors.sync_restore import restore
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
@@ -48,19 +49,23 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
 
 
-def checkpoint_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.run_dir) / "checkpoints" / "synchronizer"
+def config_digest(cfg: RunConfig) -> str:
+    """Digest of the whole validated config: tells a driver whether an existing synchronizer
+    serves its run; the event tape's RunStarted carries it too."""
+    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
 
 
-@ray.remote(concurrency_groups={"control": 2, "data": 1})
+@ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
 class Synchronizer:
     def __init__(self, cfg: RunConfig, log_level: str = "WARNING") -> None:
         setup_logging(log_level)
+        logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
-        from ray_diloco.algorithm import checkpoint, simulate, sync_core
+        from ray_diloco.algorithm import checkpoint, links, simulate, sync_core
 
-        self.cfg, self._ck, self._link_seconds = cfg, checkpoint, simulate.link_seconds
+        self.cfg, self._ck = cfg, checkpoint
+        self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread
         self._lock = threading.Lock()
         self._ckpt_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -70,9 +75,12 @@ class Synchronizer:
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
         self.hosts: dict[str, list[Any]] = {}
         self.regions = {lg.name: lg.region for lg in cfg.learners}
+        self.started_at = time.time()  # a new value tells watchers the actor was restarted
         self.finished_at: float | None = None
         self.restored: dict[str, Any] | None = None
-        self.checkpointer = self._restore() if cfg.checkpoint.enabled else None
+        self.checkpointer: Any = None
+        if cfg.checkpoint.enabled:
+            self.checkpointer, self.restored = restore(cfg, self.core, self._now())
         self._saved_rounds = self.rounds()
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
@@ -83,14 +91,19 @@ class Synchronizer:
     @ray.method(concurrency_group="control")
     def register(self, learner: str, incarnation: int, host_handles: list[Any]) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
-        latest published version of every fragment and its data cursor from the ledger."""
+        latest published version of every fragment, its data cursor from the ledger, and the
+        fragment plan (one source for every learner)."""
         with self._lock:
             self.core.register(learner, incarnation, self._now())
             self.hosts[learner] = list(host_handles)
             snapshot = self.core.snapshot()
             cursor = self.core.ledger.resume_cursor(learner)
-        logger.info("registered learner %s incarnation %d at cursor %d", learner, incarnation, cursor)
-        return {"snapshot": snapshot, "cursor": cursor, "finished": self.finished_at is not None}
+            plan = self.setup.plan
+        logger.info(
+            "registered learner %s incarnation %d at cursor %d", learner, incarnation, cursor
+        )
+        finished = self.finished_at is not None
+        return {"snapshot": snapshot, "cursor": cursor, "plan": plan, "finished": finished}
 
     @ray.method(concurrency_group="control")
     def report(
@@ -108,10 +121,11 @@ class Synchronizer:
             ok = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
             if ok:
                 self.journal.progress(learner, step, cursor, loss, step_time_s)
-            if self.finished_at is None and self.core.ledger.tokens_trained >= self.cfg.token_budget:
+            tokens = self.core.ledger.tokens_trained
+            if self.finished_at is None and tokens >= self.cfg.token_budget:
                 # The run ends here, as the reference run's loop does: no round closes after.
                 self.finished_at = time.time()
-                logger.info("token budget reached (%d tokens)", self.core.ledger.tokens_trained)
+                logger.info("token budget reached (%d tokens)", tokens)
             return {"ok": ok, "stop": self.finished_at is not None}
 
     @ray.method(concurrency_group="control")
@@ -123,7 +137,9 @@ class Synchronizer:
             events, seq = self.journal.events_since(since_event)
             return {
                 "run": self.cfg.name,
-                "config_digest": self._ck.state_digest(self.cfg),
+                "started_at": self.started_at,
+                "config_digest": config_digest(self.cfg),
+                "num_params": self.setup.param_bytes() // 4,
                 "tokens": core.ledger.tokens_trained,
                 "rounds": rounds,
                 "versions": core.book.versions(),
@@ -150,7 +166,7 @@ class Synchronizer:
         self._wake.set()
         self._thread.join(timeout=30)
         self._links.close()
-        return self.checkpoint()
+        return self._checkpoint()
 
     # -- data group: contributions, evaluation, checkpoints -----------------------------------
 
@@ -182,6 +198,9 @@ class Synchronizer:
     @ray.method(concurrency_group="data")
     def checkpoint(self) -> str | None:
         """Write a checkpoint now unless the newest one already holds this state."""
+        return self._checkpoint()
+
+    def _checkpoint(self) -> str | None:
         if self.checkpointer is None:
             return None
         with self._ckpt_lock:
@@ -209,7 +228,7 @@ class Synchronizer:
                 self._close_rounds()
                 rounds = self.rounds()
                 if rounds - self._saved_rounds >= self.cfg.synchronizer.checkpoint_every_rounds:
-                    self.checkpoint()
+                    self._checkpoint()
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
                 if due and rounds != last_eval_rounds:  # nothing to evaluate when idle
                     self._evaluate()
@@ -239,6 +258,7 @@ class Synchronizer:
             with self._lock:
                 self.core.commit(pub, self._now())
                 targets = self._targets()
+                live = len(self.core.book.live(self._now()))
                 for learner in targets:
                     self.core.sent(learner, pub.nbytes)
                 self.journal.record(
@@ -251,7 +271,7 @@ class Synchronizer:
                     )
                 )
             self._publish(pub, targets)
-            self._round_metrics(pub)
+            self._round_metrics(pub, live)
 
     def _targets(self) -> dict[str, list[Any]]:
         """Hosts of every registered learner that is not fenced or retired. Like the
@@ -261,14 +281,17 @@ class Synchronizer:
 
     def _publish(self, pub: Publication, targets: dict[str, list[Any]]) -> None:
         ref = ray.put(pub.encoded)  # owned by the synchronizer, shared by every send
+        now = time.monotonic()
         for learner, handles in targets.items():
-            delay = self._link_seconds(self.cfg, self.regions.get(learner, LOCAL_REGION), pub.nbytes)
+            # Each copy occupies the region's serial downstream pipe, as in the reference run.
+            region = self.regions.get(learner, LOCAL_REGION)
+            delay = self._wan.arrival(region, "down", pub.nbytes, now) - now
             for host in handles:
                 send = functools.partial(_send, host, pub.fragment, pub.version, ref)
                 self._links.call_later(delay, send)
             self.metrics.link_bytes(learner, "down", pub.nbytes)
 
-    def _round_metrics(self, pub: Publication) -> None:
+    def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
         m.outer_round()
         m.contributors(len(pub.close.contributions))
@@ -276,7 +299,7 @@ class Synchronizer:
         for s in pub.close.staleness:
             m.staleness(s)
         m.global_version(pub.version)
-        m.live_learners(len(self.core.book.live(self._now())))
+        m.live_learners(live)
 
     def _evaluate(self) -> float:
         with self._lock:
@@ -294,45 +317,6 @@ class Synchronizer:
 
     def _now(self) -> float:
         return time.monotonic()
-
-    def _restore(self) -> Any:
-        directory = checkpoint_dir(self.cfg)
-        try:
-            checkpointer = self._ck.Checkpointer(directory, self.cfg.checkpoint.keep)
-        except OSError as err:
-            raise RuntimeError(
-                f"synchronizer: cannot create its checkpoint directory {directory} ({err}); "
-                "set run_dir to a writable path on the synchronizer's node or "
-                "checkpoint.enabled=false"
-            ) from err
-        restart = ray.get_runtime_context().was_current_actor_reconstructed
-        loaded = checkpointer.restore()
-        if loaded is None:
-            if restart:
-                logger.warning("synchronizer restarted with no checkpoint in %s", directory)
-            return checkpointer
-        arrays, meta = loaded
-        digest = self._ck.state_digest(self.cfg)
-        if meta.get("digest") != digest:
-            logger.warning(
-                "checkpoint in %s is for state digest %s, this run has %s: not restored",
-                directory,
-                meta.get("digest"),
-                digest,
-            )
-            return checkpointer
-        state = self._ck.sync_state_from_tree(arrays, meta, self.core.outer_states)
-        self.core.load_state_dict(state, self._now())
-        versions = self.core.book.versions()
-        self.restored = {"versions": versions, "rounds": self.rounds(), "restart": restart}
-        logger.warning(
-            "synchronizer %s from %s: %d rounds, versions %s",
-            "restarted and restored" if restart else "resumed",
-            directory,
-            self.rounds(),
-            versions,
-        )
-        return checkpointer
 
 
 def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
@@ -352,6 +336,8 @@ def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
         "max_restarts": -1,
         "max_task_retries": -1,
         "num_cpus": 0,
+        # The synchronizer does no forward/backward: never let JAX grab an accelerator.
+        "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
         **placement,
     }
 

@@ -46,6 +46,18 @@ def _compiled_step(
     return tx, inner.make_train_step(model_cfg, tx)
 
 
+class DeviceLayout:
+    """Where the learner's arrays live: by default on this process's default device. A
+    learner spanning several hosts passes an SPMD layout (actors/spmd.py) that replicates the
+    parameters over every host and shards the batch, so the same core runs data-parallel."""
+
+    def param(self, host: np.ndarray) -> jax.Array:
+        return jnp.asarray(host)
+
+    def batch(self, x: np.ndarray, y: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        return jnp.asarray(x), jnp.asarray(y)
+
+
 class LearnerCore:
     def __init__(
         self,
@@ -60,8 +72,10 @@ class LearnerCore:
         shard_index: int = 0,
         num_shards: int = 1,
         total_steps: int | None = None,
+        layout: DeviceLayout | None = None,
     ) -> None:
         self.cfg = cfg
+        self.layout = layout or DeviceLayout()
         self.name = learner.name
         self.batch_size = learner.batch_size
         self.incarnation = incarnation
@@ -129,9 +143,9 @@ class LearnerCore:
         host = {k: np.asarray(values[k], np.float32) for k in self.plan.fragments[p]}
         for k, g in host.items():
             if alpha and k in self.params:
-                self.params[k] = alpha * self.params[k] + (1 - alpha) * jnp.asarray(g)
+                self.params[k] = alpha * self.params[k] + (1 - alpha) * self.layout.param(g)
             else:
-                self.params[k] = jnp.asarray(g)
+                self.params[k] = self.layout.param(g)
         # Decision (algorithm.md section 4): the inner optimizer state is kept.
         self.base_values[p] = host
         self.base_version[p] = version
@@ -148,7 +162,7 @@ class LearnerCore:
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
         self.params, self.opt_state, loss = self.step_fn(
-            self.params, self.opt_state, jnp.asarray(x), jnp.asarray(y)
+            self.params, self.opt_state, *self.layout.batch(x, y)
         )
         self.step += 1
         self.cursor += self.tokens_per_step

@@ -127,6 +127,10 @@ class _FragmentState:
     grace_s: float = 0.0
     merging: bool = False
     norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
+    # learner -> (base version, steps, tokens) of its counters already merged on that base,
+    # and what they were before the round now merging (restored if the merge is aborted).
+    merged: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    undo: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,6 +161,8 @@ class RoundBook:
                 f"{old.incarnation}; a restarted learner must use a higher incarnation"
             )
         self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
+        for frag in self.fragments:  # the new incarnation adopts every fragment afresh
+            frag.merged.pop(learner, None)
         return self.versions()
 
     def heartbeat(
@@ -213,9 +219,17 @@ class RoundBook:
         if verdict is not Verdict.ACCEPTED:
             return verdict
         frag = self.fragments[meta.fragment]
+        steps, tokens = meta.num_steps, meta.num_tokens
+        done = frag.merged.get(meta.learner)
+        if done is not None and done[0] == meta.base_version:
+            # The learner offered p again before the version its last offer went into reached
+            # it: its counters (since its base) still include work already merged. Count only
+            # the new work, or the ledger merges those tokens twice.
+            steps, tokens = steps - done[1], tokens - done[2]
+            if steps <= 0 or tokens <= 0:
+                return Verdict.EMPTY
         if outer_grad_norm is not None:
             frag.norms.append(outer_grad_norm)
-        steps, tokens = meta.num_steps, meta.num_tokens
         old = frag.pending.get(meta.learner)
         if old is not None and old.meta.base_version < meta.base_version:
             # The learner's counters restart when it adopts a new version, so work in an entry
@@ -302,6 +316,13 @@ class RoundBook:
             grace_s=frag.grace_s,
             closed_s=now,
         )
+        frag.undo = {e.meta.learner: frag.merged.get(e.meta.learner) for e in entries}
+        for e in entries:
+            frag.merged[e.meta.learner] = (
+                e.meta.base_version,
+                e.meta.num_steps,
+                e.meta.num_tokens,
+            )
         frag.pending = {}
         frag.opened_s = frag.quorum_s = None
         frag.grace_s = 0.0
@@ -313,6 +334,7 @@ class RoundBook:
         frag = self.fragments[close.fragment]
         frag.version = close.version
         frag.merging = False
+        frag.undo = {}
         a = self.policy.step_time_ema
         self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
         if self.policy.late_policy == "drop":
@@ -329,8 +351,20 @@ class RoundBook:
         """Merging failed: put the contributions back so no work is forgotten."""
         frag = self.fragments[close.fragment]
         frag.merging = False
+        for learner, before in frag.undo.items():
+            if before is None:
+                frag.merged.pop(learner, None)
+            else:
+                frag.merged[learner] = before
+        frag.undo = {}
         for e in close.contributions:
-            frag.pending.setdefault(e.meta.learner, e)
+            newer = frag.pending.get(e.meta.learner)
+            if newer is None:
+                frag.pending[e.meta.learner] = e
+            elif newer.meta.base_version == e.meta.base_version:
+                # The newer entry's counters had e's subtracted (as merged); they are not.
+                newer.num_steps += e.num_steps
+                newer.num_tokens += e.num_tokens
         if frag.pending and frag.opened_s is None:
             frag.opened_s = close.opened_s
         self._maybe_reach_quorum(frag, now)

@@ -169,6 +169,24 @@ class SynchronizerCore:
 
     # -- checkpointing ------------------------------------------------------------------------
 
+    def resume_versions(self, published: Mapping[int, int]) -> int:
+        """After a restore: `published` holds the highest version of each fragment published
+        before the restart (persisted at every commit). Where that is newer than what the
+        checkpoint holds, the restored value gets a fresh version number above it, so versions
+        never go backwards and no learner can take the restored value for a lost one that
+        carried the same number (its deltas against a lost version are rejected as stale and
+        it adopts this one when it registers again). Returns the rounds lost."""
+        lost = 0
+        for p, high in published.items():
+            frag = self.book.fragments[p]
+            if high <= frag.version:
+                continue
+            lost += high - frag.version
+            hist = self.published[p]
+            frag.version = high + 1
+            self.published[p] = {high + 1: hist[max(hist)]}
+        return lost
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "values": self.values,

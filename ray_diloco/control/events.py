@@ -231,6 +231,41 @@ class SynchronizerRestored(Event):
 
 @_register
 @dataclass(frozen=True)
+class SynchronizerLost(Event):
+    """The supervisor's calls to the synchronizer failed or went unanswered for
+    `detection_s` seconds (it is being restarted, or it hangs)."""
+
+    kind: ClassVar[str] = "synchronizer_lost"
+    detection_s: float
+    detail: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class LearnerDegraded(Event):
+    """A live learner is not dying but not helping either: `cause` is `slow_steps` (its step
+    rate fell well below its own baseline: a straggler) or `no_contributions` (it trains, yet
+    nothing of it was merged for a while: a cut or slow link, fencing, a lost synchronizer)."""
+
+    kind: ClassVar[str] = "learner_degraded"
+    learner: str
+    cause: str
+    detail: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class LearnerRecovered(Event):
+    """The degradation `cause` of `learner` ended after `degraded_s` seconds."""
+
+    kind: ClassVar[str] = "learner_recovered"
+    learner: str
+    cause: str
+    degraded_s: float
+
+
+@_register
+@dataclass(frozen=True)
 class RunFinished(Event):
     kind: ClassVar[str] = "run_finished"
     tokens: int

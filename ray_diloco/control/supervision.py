@@ -9,12 +9,18 @@ Per learner: training --(no heartbeat for heartbeat_timeout_s | error)--> dead: 
 incarnation is fenced (`KillLearner`), the policy decides; Restart -> restarting until the
 backoff expires (`StartLearner` with incarnation + 1) -> starting -> training again when it
 answers; once the synchronizer merges a contribution from the new incarnation, it has rejoined.
+
+A learner with several hosts is heard only when every host answered since its (re)start, and
+it is as fresh as its stalest host: one hung host silences the whole learner, which is then
+restarted as a whole. Host 0 speaks for the learner's state (compiling, training, blocked), so
+compile time is not counted as training on the tape.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ray_diloco.config import SupervisorConfig
 from ray_diloco.control.events import (
@@ -60,29 +66,52 @@ class _Watch:
     restart_at_s: float | None = None
     restarted_s: float | None = None
     attempt: int = 0
+    host_seen: dict[int, float] = field(default_factory=dict)  # this incarnation's answers
+    reported: LearnerState | None = None  # host 0's last reported state
 
 
 class Supervision:
-    def __init__(self, cfg: SupervisorConfig, learners: list[str], now: float) -> None:
+    def __init__(
+        self,
+        cfg: SupervisorConfig,
+        learners: list[str],
+        now: float,
+        num_hosts: Mapping[str, int] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.policy = RestartPolicy(cfg)
         self.watches = {name: _Watch(last_seen_s=now) for name in learners}
+        self.num_hosts = {name: (num_hosts or {}).get(name, 1) for name in learners}
 
     def incarnation(self, learner: str) -> int:
         return self.watches[learner].incarnation
 
     # -- observations -------------------------------------------------------------------------
 
-    def heartbeat(self, learner: str, incarnation: int, now: float) -> list[Event]:
-        """A host of the learner answered. Returns the state change, if any."""
+    def heartbeat(
+        self,
+        learner: str,
+        incarnation: int,
+        now: float,
+        host: int = 0,
+        state: LearnerState | None = None,
+    ) -> list[Event]:
+        """Host `host` of the learner answered; host 0 may say which live state the learner
+        is in (None: training once it answers). Returns the state change, if any."""
         w = self.watches[learner]
         if incarnation != w.incarnation or w.state in _DOWN:
             return []  # a fenced process answering late changes nothing
-        w.last_seen_s = now
-        if w.state is LearnerState.TRAINING:
+        w.host_seen[host] = now
+        if state is not None and LearnerState(state) in _LIVE:
+            w.reported = LearnerState(state)
+        if len(w.host_seen) < self.num_hosts[learner]:
+            return []  # not every host of this incarnation answered yet
+        w.last_seen_s = min(w.host_seen.values())
+        new = w.reported or LearnerState.TRAINING
+        if w.state is new:
             return []
-        w.state = LearnerState.TRAINING
-        return [LearnerStateChanged(now, learner, incarnation, LearnerState.TRAINING, "heartbeat")]
+        w.state = new
+        return [LearnerStateChanged(now, learner, incarnation, new, "heartbeat")]
 
     def failed(
         self, learner: str, incarnation: int, failure: FailureKind, now: float, detail: str = ""
@@ -106,10 +135,28 @@ class Supervision:
         self.policy.record_healthy(learner, now)
         return [event]
 
-    def finished(self, learner: str, now: float) -> list[Event]:
+    def finished(self, learner: str, now: float, reason: str = "budget") -> list[Event]:
+        """The run no longer needs the learner: it is not watched or restarted any more."""
         w = self.watches[learner]
+        if w.state in (LearnerState.FINISHED, LearnerState.GAVE_UP):
+            return []
         w.state = LearnerState.FINISHED
-        return [LearnerStateChanged(now, learner, w.incarnation, LearnerState.FINISHED, "budget")]
+        w.restart_at_s = None
+        return [LearnerStateChanged(now, learner, w.incarnation, LearnerState.FINISHED, reason)]
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per learner: state, incarnation and restarts so far (for status displays)."""
+        out: dict[str, dict[str, object]] = {}
+        for name, w in self.watches.items():
+            book = self.policy.book(name)
+            out[name] = {
+                "state": w.state.value,
+                "incarnation": w.incarnation,
+                "restarts": book.crash_restarts + book.preemption_restarts,
+                "crash_restarts": book.crash_restarts,
+                "preemption_restarts": book.preemption_restarts,
+            }
+        return out
 
     # -- the clock ----------------------------------------------------------------------------
 
@@ -140,6 +187,7 @@ class Supervision:
         w = self.watches[learner]
         detection_s = now - w.last_seen_s
         w.detected_s = now
+        w.host_seen, w.reported = {}, None
         decision = self.policy.decide(learner, failure, now)
         events: list[Event] = [
             FailureDetected(now, learner, failure, detection_s, detail),
@@ -174,6 +222,7 @@ class Supervision:
         w.restart_at_s = None
         w.restarted_s = now
         w.last_seen_s = now  # the new incarnation gets a full timeout to come up
+        w.host_seen, w.reported = {}, None
         assert w.detected_s is not None
         return [
             LearnerRestarted(now, learner, w.incarnation, w.attempt, now - w.detected_s),

@@ -13,6 +13,8 @@ from ray_diloco.control.events import (
     FailureKind,
     FaultInjected,
     GiveUp,
+    LearnerDegraded,
+    LearnerRecovered,
     LearnerRejoined,
     LearnerRestarted,
     LearnerState,
@@ -22,6 +24,7 @@ from ray_diloco.control.events import (
     RoundClosed,
     RunFinished,
     RunStarted,
+    SynchronizerLost,
     SynchronizerRestored,
     WorkLost,
     event_from_dict,
@@ -40,6 +43,9 @@ SAMPLES: list[Event] = [
     RoundClosed(7.0, fragment=3, version=6, num_contributors=2, tokens=4096),
     WorkLost(7.5, "learner-2", steps=12, seconds=0.6),
     SynchronizerRestored(8.0, from_versions={0: 4, 1: 4}, rounds_lost=3),
+    SynchronizerLost(7.8, detection_s=2.0, detail="status unanswered"),
+    LearnerDegraded(8.2, "learner-1", cause="slow_steps", detail="2.0 vs 9.0 steps/s"),
+    LearnerRecovered(8.4, "learner-1", cause="slow_steps", degraded_s=5.0),
     RunFinished(9.0, tokens=2_000_000, reason="token budget"),
 ]
 

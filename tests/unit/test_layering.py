@@ -16,6 +16,9 @@ CONTROL_MODULES = [
     "ray_diloco.control.chaos",
     "ray_diloco.control.tape",
     "ray_diloco.control.goodput",
+    "ray_diloco.control.supervision",
+    "ray_diloco.control.degradation",
+    "ray_diloco.control.recovery",
 ]
 
 _ALGORITHM_CHILD = """

@@ -18,3 +18,23 @@ def test_transfers_on_one_pipe_queue_and_directions_are_independent():
     assert em.arrival("us", "up", 10**9, now=2.0) == 2.0  # no link: local
     assert link_seconds(None, 10) == 0.0
     assert link_seconds(LinkConfig(bandwidth_gbps=8e-9), 1) == pytest.approx(1.0)
+
+
+def test_a_cut_link_holds_transfers_until_it_is_back_and_a_slow_one_takes_longer():
+    em = LinkEmulator({"eu": LinkConfig(bandwidth_gbps=1.0, latency_ms=10)})
+    em.impair("eu", start=1.0, end=3.0)  # cut
+    em.impair("eu", start=5.0, end=6.0, factor=4.0)  # slow
+    assert em.arrival("eu", "up", 1_250_000, now=0.5) == pytest.approx(0.520)  # before
+    assert em.arrival("eu", "up", 1_250_000, now=1.5) == pytest.approx(3.020)  # held
+    assert em.arrival("eu", "down", 1_250_000, now=2.0) == pytest.approx(3.020)
+    # queued behind the held one: starts at 3.010 (after the cut), as usual
+    assert em.arrival("eu", "up", 1_250_000, now=2.5) == pytest.approx(3.030)
+    assert em.arrival("eu", "up", 1_250_000, now=5.5) == pytest.approx(5.5 + 4 * 0.020)
+    assert em.arrival("eu", "up", 1_250_000, now=7.0) == pytest.approx(7.020)  # healthy again
+    # a region without a link: only a cut shows
+    em.impair("us", start=0.0, end=2.0)
+    em.impair("us", start=3.0, end=4.0, factor=10.0)
+    assert em.arrival("us", "up", 10**9, now=1.0) == 2.0
+    assert em.arrival("us", "up", 10**9, now=3.5) == 3.5
+    with pytest.raises(ValueError):
+        em.impair("eu", 0.0, 1.0, factor=0.0)

@@ -178,6 +178,36 @@ def test_norm_guard_warm_up_counts_rounds_not_contributions():
         assert book.offer(meta(n, base=1), now=0, outer_grad_norm=1.0) is Verdict.ACCEPTED
 
 
+def test_offer_again_on_the_same_base_counts_only_new_work():
+    # A learner offers p on base 0, its round merges, and it offers p again before version 1
+    # reached it: its counters (since base 0) still include the merged work.
+    book = book_with(["a"], policy(grace_max_s=0.0))
+    book.offer(meta("a", steps=4, tokens=400), now=0.0)
+    (first,) = book.poll(now=0.0)
+    assert book.offer(meta("a", steps=6, tokens=600), now=0.1) is Verdict.ACCEPTED
+    book.commit(first, sync_time_s=0.0, now=0.1)
+    (second,) = book.poll(now=0.2)
+    (c,) = second.contributions
+    assert (c.num_steps, c.num_tokens) == (2, 200)
+    book.commit(second, sync_time_s=0.0, now=0.2)
+    assert book.offer(meta("a", steps=6, tokens=600), now=0.3) is Verdict.EMPTY
+    # on the new base the counters start afresh; a new incarnation forgets the old record
+    assert book.offer(meta("a", base=2, steps=1, tokens=100), now=0.3) is Verdict.ACCEPTED
+    book.register("a", 1, now=0.4)
+    assert book.offer(meta("a", base=2, steps=1, tokens=100, inc=1), now=0.4) is Verdict.ACCEPTED
+
+
+def test_abort_gives_back_work_counted_as_merged():
+    book = book_with(["a"], policy(grace_max_s=0.0))
+    book.offer(meta("a", steps=4, tokens=400), now=0.0)
+    (close,) = book.poll(now=0.0)
+    book.offer(meta("a", steps=6, tokens=600), now=0.1)  # counted as 2 new steps
+    book.abort(close, now=0.2)
+    (again,) = book.poll(now=0.2)
+    (c,) = again.contributions
+    assert (c.num_steps, c.num_tokens) == (6, 600)
+
+
 def test_abort_returns_contributions_and_state_round_trips():
     book = book_with(["a", "b"], policy(grace_max_s=0.0), num_fragments=2)
     book.offer(meta("a", fragment=1), now=0.0)

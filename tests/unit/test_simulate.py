@@ -129,3 +129,25 @@ def test_goodput_counts_waiting_on_the_slow_learner(decoupled):
     # the three fast learners wait for the 30% slower one
     assert decoupled["goodput"] > 0.95
     assert barrier["goodput"] < 0.9
+
+
+def test_resumed_versions_skip_every_lost_version_number():
+    cfg, setup, core = _core()
+    core.register("learner-0", 0, now=0.0)
+    paths = setup.plan.fragments[0]
+    delta = {k: np.full(np.asarray(setup.init[k]).shape, 0.01, np.float32) for k in paths}
+    enc = wire.encode_tree(delta, "float32")
+    core.offer(ContributionMeta("learner-0", 0, 0, 0, 4, 4, 512), enc, 0.0)
+    core.poll(now=10.0)  # fragment 0 at version 1: the checkpoint
+    restored = SynchronizerCore(cfg, setup.plan, setup.init)
+    restored.load_state_dict(core.state_dict(), now=11.0)
+    # versions 2 and 3 of fragment 0 were published after the checkpoint, then lost
+    assert restored.resume_versions({0: 3, 1: 0}) == 2
+    assert restored.book.versions()[0] == 4 and set(restored.book.versions().values()) == {4, 0}
+    version, values = restored.snapshot()[0]
+    assert version == 4 and all(np.array_equal(values[k], core.snapshot()[0][1][k]) for k in paths)
+    # a delta against a lost version (3) cannot be reconstructed: stale, not merged
+    restored.register("learner-0", 0, now=12.0)
+    stale = ContributionMeta("learner-0", 0, 0, 3, 4, 4, 512)
+    assert restored.offer(stale, enc, now=12.0) is Verdict.STALE_VERSION
+    assert restored.resume_versions({0: 4}) == 0  # nothing newer: unchanged

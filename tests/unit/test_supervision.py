@@ -74,3 +74,46 @@ def test_preemption_has_its_own_budget():
         assert commands == [KillLearner("a", i, rebuild_group=False)]
         _, started = sup.tick(now=10.0 * i + 9)
         assert started == [StartLearner("a", i + 1)]
+
+
+def test_multi_host_learner_is_heard_when_every_host_answered_and_as_fresh_as_the_stalest():
+    sup = Supervision(CFG, ["a"], now=0.0, num_hosts={"a": 2})
+    assert sup.heartbeat("a", 0, now=1.0, host=0, state=LearnerState.COMPILING) == []
+    (changed,) = sup.heartbeat("a", 0, now=1.2, host=1)
+    assert changed.state is LearnerState.COMPILING  # host 0 speaks for the learner
+    (changed,) = sup.heartbeat("a", 0, now=2.0, host=0, state=LearnerState.TRAINING)
+    assert changed.state is LearnerState.TRAINING
+    # host 1 hangs: host 0 keeps answering, but the learner is as fresh as host 1 (t=1.2)
+    for t in (3.0, 3.2):
+        assert sup.heartbeat("a", 0, now=t, host=0, state=LearnerState.TRAINING) == []
+    events, commands = sup.tick(now=3.3)
+    detected = next(e for e in events if isinstance(e, FailureDetected))
+    assert detected.failure is FailureKind.HANG and abs(detected.detection_s - 2.1) < 1e-9
+    assert commands == [KillLearner("a", 0, rebuild_group=True)]
+    # the new incarnation must hear from both hosts again
+    _, started = sup.tick(now=3.8)
+    assert started == [StartLearner("a", 1)]
+    assert sup.heartbeat("a", 1, now=4.0, host=1) == []
+    (changed,) = sup.heartbeat("a", 1, now=4.1, host=0)
+    assert changed.state is LearnerState.TRAINING
+
+
+def test_numerical_failure_restarts_without_rebuild_and_finished_is_final():
+    sup = Supervision(CFG, ["a", "b"], now=0.0)
+    sup.heartbeat("a", 0, now=1.0)
+    _, commands = sup.failed("a", 0, FailureKind.NUMERICAL, now=1.5, detail="non_finite")
+    assert commands == [KillLearner("a", 0, rebuild_group=False)]
+    assert sup.snapshot()["a"]["state"] == "restarting"
+    (done,) = sup.finished("a", now=1.6, reason="run over")
+    assert done.state is LearnerState.FINISHED and done.reason == "run over"
+    assert sup.finished("a", now=1.7) == []
+    assert sup.tick(now=10.0)[1] == []  # the pending restart was cancelled
+    snap = sup.snapshot()
+    assert snap["a"]["restarts"] == snap["a"]["crash_restarts"] == 1
+    assert snap["b"] == {
+        "state": "starting",
+        "incarnation": 0,
+        "restarts": 0,
+        "crash_restarts": 0,
+        "preemption_restarts": 0,
+    }

@@ -1,0 +1,247 @@
+"""Layer: actors (Ray shell). The chaos engine: carries out `control.chaos` fault actions.
+
+The supervisor's control loop calls `ChaosEngine.tick(now)` with its run clock; due actions
+(`control.chaos.due`) are executed on a worker thread so an injection that needs a task on a
+remote node never delays heartbeats, and each one is recorded as `FaultInjected` once it took
+effect. How each fault is made real:
+
+- kill_host / kill_group: `ray.kill` of one (seeded pick) or every host actor of the learner;
+- remove_node: a zero-CPU task pinned (NodeAffinitySchedulingStrategy) to the node of one of
+  the learner's hosts SIGKILLs that node's raylet, so the node dies as a whole (never the head);
+- hang_host: a pinned task SIGSTOPs the host's process for `duration_s`, then SIGCONTs it;
+- straggler / corrupt_nan / corrupt_norm: hooks on `LearnerHost` (actors/host_faults.py);
+- cut_link / slow_link: the region's emulated WAN link, impaired for `duration_s` both in the
+  synchronizer (downstream) and in every learner of the region (upstream);
+- kill_synchronizer: `ray.kill(..., no_restart=False)`: Ray reconstructs it from its checkpoint.
+A fault whose target learner is down (being restarted) when it is due is skipped, not recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_diloco.actors.delay import DelayedCalls
+from ray_diloco.control.chaos import FaultAction, due
+from ray_diloco.control.events import Event
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class HostRef:
+    """A live host actor of a learner's current incarnation and where its process runs."""
+
+    handle: Any
+    index: int
+    pid: int | None
+    node_id: str | None
+
+
+class Targets(Protocol):
+    """What the engine needs from the supervisor."""
+
+    def hosts(self, learner: str) -> list[HostRef] | None:
+        """The learner's hosts, or None while it is down or starting."""
+
+    def learners_in(self, region: str) -> list[str]: ...
+
+    def synchronizer(self) -> Any: ...
+
+    def synchronizer_killed(self, rounds: int | None) -> None:
+        """Called right before the synchronizer is killed, with its closed rounds."""
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _signal_process(pid: int, signum: int) -> int:
+    os.kill(pid, signum)
+    return pid
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _kill_own_raylet() -> int:
+    """SIGKILL the raylet of the node this task runs on (its worker's parent process)."""
+    import psutil
+
+    for parent in psutil.Process().parents():
+        if parent.name() == "raylet":
+            os.kill(parent.pid, signal.SIGKILL)
+            return int(parent.pid)
+    raise RuntimeError("no raylet among this worker's parent processes")
+
+
+class ChaosEngine:
+    def __init__(
+        self,
+        actions: list[FaultAction],
+        targets: Targets,
+        record: Callable[[Event], None],
+        clock: Callable[[], float],
+        seed: int = 0,
+    ) -> None:
+        self.actions = actions
+        self.targets, self.record, self.clock = targets, record, clock
+        self.seed = seed
+        self._last = float("-inf")
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chaos")
+        self._later = DelayedCalls("chaos-undo")
+        self._head = _head_node_id()
+        self._lock = threading.Lock()
+        self.injected = 0
+        self.skipped = 0
+
+    def tick(self, now: float) -> None:
+        """Start every action due since the last tick (each exactly once)."""
+        for action in due(self.actions, self._last, now):
+            self._pool.submit(self._inject, action)
+        self._last = now
+
+    def close(self) -> None:
+        self._last = float("inf")  # nothing more becomes due
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._later.close(drain_s=0.0)
+
+    # -- injections (worker threads) ----------------------------------------------------------
+
+    def _inject(self, a: FaultAction) -> None:
+        detail: str | None = None
+        try:
+            detail = getattr(self, f"_{a.kind}")(a)
+        except _Skip as err:
+            logger.warning("chaos: %s on %s skipped: %s", a.kind, a.target, err)
+        except Exception:
+            logger.exception("chaos: %s on %s failed", a.kind, a.target)
+        with self._lock:
+            if detail is None:
+                self.skipped += 1
+                return
+            self.injected += 1
+        logger.warning("chaos: injected %s on %s (%s)", a.kind, a.target, detail)
+        self.record(a.to_event(self.clock(), detail))
+
+    def _hosts(self, a: FaultAction) -> list[HostRef]:
+        hosts = self.targets.hosts(str(a.target))
+        if not hosts:
+            raise _Skip(f"learner {a.target} is down")
+        return hosts
+
+    def _pick(self, a: FaultAction, hosts: list[HostRef]) -> HostRef:
+        # Seeded per action: the same schedule picks the same host in every run.
+        label = f"{self.seed}/{a.at_s}/{a.kind}/{a.target}".encode()
+        return random.Random(zlib.crc32(label)).choice(hosts)
+
+    def _kill_host(self, a: FaultAction) -> str:
+        h = self._pick(a, self._hosts(a))
+        ray.kill(h.handle, no_restart=True)
+        return f"host {h.index} (pid {h.pid})"
+
+    def _kill_group(self, a: FaultAction) -> str:
+        hosts = self._hosts(a)
+        for h in hosts:
+            ray.kill(h.handle, no_restart=True)
+        return f"{len(hosts)} host(s)"
+
+    def _remove_node(self, a: FaultAction) -> str:
+        h = self._pick(a, self._hosts(a))
+        if h.node_id is None or h.node_id == self._head:
+            raise _Skip(f"host {h.index} runs on the head node; the head is never removed")
+        ref = _kill_own_raylet.options(scheduling_strategy=_on(h.node_id)).remote()
+        try:
+            pid = ray.get(ref, timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            pid = None  # the task's own node died under it: the kill went through
+        return f"node {h.node_id[:12]} of host {h.index} (raylet pid {pid})"
+
+    def _hang_host(self, a: FaultAction) -> str:
+        h = self._pick(a, self._hosts(a))
+        if h.pid is None or h.node_id is None:
+            raise _Skip(f"host {h.index} has not reported its process yet")
+        ray.get(
+            _signal_process.options(scheduling_strategy=_on(h.node_id)).remote(
+                h.pid, signal.SIGSTOP
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
+        self._later.call_later(a.duration_s, lambda: _resume(h))
+        return f"host {h.index} (pid {h.pid}) stopped for {a.duration_s:.1f}s"
+
+    def _straggler(self, a: FaultAction) -> str:
+        hosts = self._hosts(a)
+        refs = [h.handle.inject_fault.remote("straggler", a.duration_s, a.factor) for h in hosts]
+        ray.get(refs, timeout=CALL_TIMEOUT_S)
+        return f"{a.factor:g}x slower for {a.duration_s:.1f}s"
+
+    def _corrupt(self, a: FaultAction) -> str:
+        h = self._hosts(a)[0]  # host 0 offers the learner's contributions
+        ray.get(h.handle.inject_fault.remote(a.kind), timeout=CALL_TIMEOUT_S)
+        return "next contribution"
+
+    _corrupt_nan = _corrupt
+    _corrupt_norm = _corrupt
+
+    def _link(self, a: FaultAction, factor: float | None) -> str:
+        region = str(a.target)
+        refs = [self.targets.synchronizer().impair_link.remote(region, a.duration_s, factor)]
+        for learner in self.targets.learners_in(region):
+            hosts = self.targets.hosts(learner)
+            if hosts:
+                refs.append(hosts[0].handle.impair_link.remote(region, a.duration_s, factor))
+        ray.get(refs, timeout=CALL_TIMEOUT_S)
+        what = "cut" if factor is None else f"{factor:g}x slower"
+        return f"{what} for {a.duration_s:.1f}s"
+
+    def _cut_link(self, a: FaultAction) -> str:
+        return self._link(a, None)
+
+    def _slow_link(self, a: FaultAction) -> str:
+        return self._link(a, a.factor)
+
+    def _kill_synchronizer(self, a: FaultAction) -> str:
+        sync = self.targets.synchronizer()
+        try:
+            rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S)["rounds"]
+        except ray.exceptions.RayError:
+            rounds = None
+        self.targets.synchronizer_killed(rounds)
+        ray.kill(sync, no_restart=False)
+        return f"at {rounds} rounds"
+
+
+class _Skip(Exception):
+    """The fault cannot be injected now (its target is down); not an error."""
+
+
+def _on(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def _resume(h: HostRef) -> None:
+    assert h.pid is not None and h.node_id is not None
+    try:
+        ref = _signal_process.options(scheduling_strategy=_on(h.node_id)).remote(
+            h.pid, signal.SIGCONT
+        )
+        ray.get(ref, timeout=CALL_TIMEOUT_S)
+        logger.warning("chaos: host %d (pid %d) resumed", h.index, h.pid)
+    except Exception as err:  # the supervisor may have killed the hung process already
+        logger.info("chaos: resuming pid %s: %s", h.pid, err)
+
+
+def _head_node_id() -> str | None:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None

@@ -1,0 +1,156 @@
+"""Layer: actors (Ray shell). Data parallelism inside one learner that spans several hosts.
+
+Every host of the learner runs the same `LearnerCore` as one `jax.distributed` job (CPU: gloo
+collectives): parameters replicated over all hosts, each batch sharded over them, so one inner
+step is ordinary SPMD data parallelism and the gradient all-reduce happens inside the jitted
+step. Only host 0 (the leader) talks to the synchronizer. At every step boundary it broadcasts
+what the other hosts must do (`HostLink.share_step`: the fragments it received and whether to
+stop) with `multihost_utils.broadcast_one_to_all`, and at start the snapshot and data cursor it
+registered with, so all hosts apply the same fragments at the same step and stay identical.
+A learner with one host uses `LocalLink`, which passes everything through.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ray_diloco.algorithm.learner_core import DeviceLayout
+
+logger = logging.getLogger(__name__)
+
+Received = tuple[int, int, Any]  # fragment, version, values (leaf path -> array)
+
+
+def free_address() -> str:
+    """host:port for the jax.distributed coordinator on this (leader) host."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = int(s.getsockname()[1])
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Join the learner's jax.distributed job; before anything else touches JAX here."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only used on CPU
+    logger.info("host %d/%d joins jax.distributed at %s", process_id, num_processes, coordinator)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def shutdown() -> None:
+    import jax
+
+    jax.distributed.shutdown()
+
+
+class SpmdLayout(DeviceLayout):
+    """Parameters replicated on every device of every host, batches split over them."""
+
+    def __init__(self) -> None:
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.sharded = NamedSharding(mesh, PartitionSpec("data"))
+        self.index, self.count = jax.process_index(), jax.process_count()
+
+    def param(self, host: np.ndarray) -> Any:
+        import jax
+
+        return jax.make_array_from_process_local_data(self.replicated, np.asarray(host))
+
+    def batch(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+        # Every host reads the same global batch (a pure function of the cursor) and keeps
+        # its rows: the learner's global batch is exactly that of a single-host learner.
+        import jax
+
+        rows = x.shape[0] // self.count
+        part = slice(self.index * rows, (self.index + 1) * rows)
+        return (
+            jax.make_array_from_process_local_data(self.sharded, x[part], x.shape),
+            jax.make_array_from_process_local_data(self.sharded, y[part], y.shape),
+        )
+
+
+class LocalLink:
+    """One host: it is the leader and has nobody to tell."""
+
+    leader = True
+
+    def share_start(self, snapshot: Any, cursor: int) -> tuple[Any, int]:
+        return snapshot, cursor
+
+    def share_step(self, items: list[Received], stop: bool) -> tuple[list[Received], bool]:
+        return items, stop
+
+    def close(self) -> None:
+        pass
+
+
+class HostLink:
+    """Host 0's decisions, broadcast to every host of the learner."""
+
+    def __init__(self, fragments: tuple[tuple[str, ...], ...], shapes: Mapping[str, Any]) -> None:
+        import jax
+
+        self.fragments = fragments
+        self.shapes = {k: tuple(shapes[k]) for frag in fragments for k in frag}
+        self.leader = jax.process_index() == 0
+
+    def _broadcast(self, tree: Any) -> Any:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.broadcast_one_to_all(tree, is_source=self.leader)
+
+    def _values(self, p: int, values: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        tree = {
+            k: np.asarray(values[k], np.float32)
+            if values is not None
+            else np.zeros(self.shapes[k], np.float32)
+            for k in self.fragments[p]
+        }
+        return {k: np.asarray(v) for k, v in self._broadcast(tree).items()}
+
+    def share_start(self, snapshot: Any, cursor: int) -> tuple[Any, int]:
+        num = len(self.fragments)
+        header = np.zeros(num + 1, np.int64)
+        if self.leader:
+            header[0] = cursor
+            header[1:] = [snapshot[p][0] for p in range(num)]
+        header = np.asarray(self._broadcast(header))
+        out = {
+            p: (int(header[p + 1]), self._values(p, snapshot[p][1] if self.leader else None))
+            for p in range(num)
+        }
+        return out, int(header[0])
+
+    def share_step(self, items: list[Received], stop: bool) -> tuple[list[Received], bool]:
+        num = len(self.fragments)
+        newest: dict[int, Received] = {}
+        for item in items:  # the core keeps only the newest version of a fragment anyway
+            if item[0] not in newest or item[1] > newest[item[0]][1]:
+                newest[item[0]] = item
+        header = np.full(2 + 2 * num, -1, np.int64)
+        if self.leader:
+            header[0], header[1] = int(stop), len(newest)
+            for i, (p, v, _) in enumerate(sorted(newest.values(), key=lambda e: e[0])):
+                header[2 + 2 * i], header[3 + 2 * i] = p, v
+        header = np.asarray(self._broadcast(header))
+        shared = []
+        for i in range(int(header[1])):
+            p, v = int(header[2 + 2 * i]), int(header[3 + 2 * i])
+            values = newest[p][2] if self.leader else None
+            shared.append((p, v, self._values(p, values)))
+        return shared, bool(header[0])
+
+    def close(self) -> None:
+        shutdown()

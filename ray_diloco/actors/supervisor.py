@@ -1,0 +1,383 @@
+"""Layer: actors (Ray shell). The supervisor actor: starts, watches and restarts the learners,
+injects chaos and records the event tape.
+
+It decides nothing itself: `control.supervision.Supervision` turns observations into commands
+and events, and this actor carries them out on a control-loop thread (every
+`supervisor.poll_interval_s`). Each tick it (1) reads the synchronizer's status without waiting
+(`SyncWatch`: journal events, rounds, merges per learner, restarts), (2) collects the answers of
+its own heartbeats to every host (`LearnerSlot.poll`; Ray's node-death detection is never
+waited for: a host that does not answer within `heartbeat_timeout_s` is hung, a failed call is
+classified by `classify_ray_error`), (3) ticks the controller and executes its `KillLearner` /
+`StartLearner` commands (a launch runs on its own thread), and (4) lets the chaos engine inject
+what is due. A learner counts as rejoined when the synchronizer merged a contribution of its new
+incarnation. Methods return at once; the driver polls `status()`, calls `finish(reason)` at the
+end and waits for `status()["done"]`, then `shutdown()`.
+
+The supervisor owns the run's event tape (`run_dir/events.jsonl`, one writer): its own events,
+the synchronizer's journal and the chaos engine's injections go there, with run-clock times
+(seconds since the driver's `t0`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ray_diloco.actors.faults import ChaosEngine, HostRef
+from ray_diloco.actors.learner_slot import LearnerSlot
+from ray_diloco.actors.resources import head_pin_options
+from ray_diloco.actors.sync_watch import SyncWatch
+from ray_diloco.config import RunConfig
+from ray_diloco.control.chaos import chaos_schedule
+from ray_diloco.control.degradation import DegradationMonitor
+from ray_diloco.control.events import (
+    ContributionRejected,
+    Event,
+    FailureKind,
+    LearnerState,
+    RunFinished,
+    RunStarted,
+    WorkLost,
+)
+from ray_diloco.control.goodput import compute_goodput
+from ray_diloco.control.recovery import NUMERICAL_REASONS, fault_outcomes, summarize_outcomes
+from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
+from ray_diloco.control.tape import EventTape
+from ray_diloco.log import setup_logging
+
+logger = logging.getLogger(__name__)
+
+CHAOS_HORIZON_S = 6 * 3600.0  # Poisson faults are drawn this far ahead (runs are shorter)
+STOP_TIMEOUT_S = 60.0
+
+
+def uptime_window_s(cfg: RunConfig, sync_status: dict[str, Any] | None) -> float:
+    """Two sync periods of a fragment at the learners' mean step time (at least 1 s)."""
+    learners = (sync_status or {}).get("learners", {})
+    times = [ls["step_time_s"] for ls in learners.values() if ls.get("step_time_s")]
+    step = sum(times) / len(times) if times else 1.0
+    return max(1.0, 2 * cfg.diloco.sync_every * step)
+
+
+def supervisor_name(cfg: RunConfig) -> str:
+    return f"{cfg.synchronizer.name}-supervisor"
+
+
+@ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)  # type: ignore[call-overload]
+class Supervisor:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        t0: float,
+        synchronizer: Any,
+        log_level: str = "WARNING",
+        pin_region: bool = True,
+        config_digest: str = "",
+    ) -> None:
+        setup_logging(log_level)
+        self.cfg, self.t0 = cfg, t0
+        s = cfg.supervisor
+        names = [lg.name for lg in cfg.learners]
+        self.regions = {lg.name: lg.region for lg in cfg.learners}
+        self.tape = EventTape(Path(cfg.run_dir) / "events.jsonl")
+        self.tape.append(RunStarted(self._now(), config_digest))
+        hosts = {lg.name: lg.num_hosts for lg in cfg.learners}
+        self.control = Supervision(s, names, self._now(), hosts)
+        self.slots = {
+            lg.name: LearnerSlot(
+                cfg,
+                i,
+                log_level=log_level,
+                pin_region=pin_region,
+                placement_timeout_s=s.startup_timeout_s,
+            )
+            for i, lg in enumerate(cfg.learners)
+        }
+        self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
+        self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now)
+        self.sync_handle = synchronizer
+        actions = chaos_schedule(
+            cfg.chaos, names, sorted(set(self.regions.values())), CHAOS_HORIZON_S
+        )
+        self.chaos = (
+            ChaosEngine(actions, self, self._record, self._now, cfg.chaos.seed) if actions else None
+        )
+        self._lock = threading.Lock()
+        self._snapshot: dict[str, Any] = {}
+        self._finish: str | None = None
+        self._run_over = False
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self._final: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+        self._chaos_t0: float | None = None
+
+    # -- methods (all return at once) ---------------------------------------------------------
+
+    def start(self) -> bool:
+        """Launch every learner (incarnation 0) and the control loop."""
+        if self._thread is None:
+            for slot in self.slots.values():
+                slot.launch(0)
+            self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
+            self._thread.start()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        """Learners (state, incarnation, restarts), faults, the synchronizer, goodput so far."""
+        with self._lock:
+            snap = dict(self._snapshot)
+        report = compute_goodput(
+            self.tape.events, self._now(), uptime_window_s(self.cfg, self.sync.status)
+        )
+        outcomes = fault_outcomes(self.tape.events, self.regions)
+        return {
+            **snap,
+            "t": self._now(),
+            "goodput": report.goodput,
+            "uptime": report.uptime,
+            "num_failures": report.num_failures,
+            "recovery": summarize_outcomes(outcomes),
+            "faults": [o.to_dict() for o in outcomes],
+            "done": self._done.is_set(),
+            "final": self._final,
+        }
+
+    def finish(self, reason: str) -> None:
+        """End the run: no more chaos or restarts; the learners are stopped, their final
+        status collected and RunFinished recorded (`status()["done"]` turns True)."""
+        if self._finish is None:
+            self._finish = reason
+            if self._thread is None:
+                self._wind_down()
+
+    def shutdown(self) -> None:
+        """Kill every learner, free their placement groups, close the tape."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.chaos is not None:
+            self.chaos.close()
+        for slot in self.slots.values():
+            slot.release()
+        self.tape.close()
+
+    # -- chaos targets (faults.Targets) -------------------------------------------------------
+
+    def hosts(self, learner: str) -> list[HostRef] | None:
+        if self.control.watches[learner].state not in _UP:
+            return None
+        return self.slots[learner].hosts()
+
+    def learners_in(self, region: str) -> list[str]:
+        return sorted(n for n, r in self.regions.items() if r == region)
+
+    def synchronizer(self) -> Any:
+        return self.sync_handle
+
+    def synchronizer_killed(self, rounds: int | None) -> None:
+        self.sync.killed(rounds)
+
+    # -- the control loop ---------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.time() - self.t0
+
+    def _record(self, event: Event) -> None:
+        self.tape.append(event)
+
+    def _record_all(self, events: list[Event]) -> None:
+        for e in events:
+            self.tape.append(e)
+
+    def _loop(self) -> None:
+        interval = self.cfg.supervisor.poll_interval_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self._tick()
+            except Exception:  # the loop must survive anything one tick throws
+                logger.exception("supervisor tick failed")
+            if self._finish is not None:
+                self._wind_down()
+                return
+            self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    def _tick(self) -> None:
+        events, st = self.sync.poll()
+        self._record_all(events)
+        now = self._now()
+        for e in events:
+            if isinstance(e, ContributionRejected) and e.reason in NUMERICAL_REASONS:
+                self._failed(e.learner, e.incarnation, FailureKind.NUMERICAL, now, e.reason)
+        if st is not None:
+            self._on_sync_status(st, now)
+        for name, slot in self.slots.items():
+            failure = slot.take_failure()
+            if failure is not None:
+                self._failed(name, failure[0], failure[1], now, failure[2])
+            for host, reply, kind, why in slot.poll():
+                if kind is not None:
+                    self._failed(name, self.control.incarnation(name), kind, now, why)
+                elif reply is not None:
+                    self._on_reply(name, host, reply, now)
+        events, commands = self.control.tick(now)
+        self._record_all(events)
+        self._execute(commands, now)
+        if self.chaos is not None and not self._run_over:
+            self._chaos_tick(now)
+        self._update_snapshot()
+
+    def _chaos_tick(self, now: float) -> None:
+        """Chaos times count from when every learner first trains (or the startup timeout
+        passed): faults are meant for a running system, however long the boot took."""
+        assert self.chaos is not None
+        if self._chaos_t0 is None:
+            training = all(w.state is LearnerState.TRAINING for w in self.control.watches.values())
+            if training or now > self.cfg.supervisor.startup_timeout_s:
+                self._chaos_t0 = now
+                logger.info("chaos clock starts at t=%.1fs", now)
+        if self._chaos_t0 is not None:
+            self.chaos.tick(now - self._chaos_t0)
+
+    def _on_reply(self, name: str, host: int, reply: dict[str, Any], now: float) -> None:
+        inc, state = int(reply["incarnation"]), str(reply["state"])
+        if state == "dead":
+            error = (reply.get("error") or "").strip().splitlines()
+            self._failed(name, inc, FailureKind.CRASH, now, error[-1] if error else "dead")
+        elif state == "finished":
+            reason = str(reply.get("stop_reason") or "")
+            if self._run_over or "token budget" in reason:
+                self._record_all(self.control.finished(name, now, reason or "budget"))
+            else:  # it left the run on its own (fenced, synchronizer gone): start it again
+                self._failed(name, inc, FailureKind.CRASH, now, f"stopped: {reason}")
+        else:
+            reported = LearnerState(state) if host == 0 else None
+            self._record_all(self.control.heartbeat(name, inc, now, host, reported))
+            if host == 0 and self.control.watches[name].state is LearnerState.TRAINING:
+                self._record_all(self.degradation.steps(name, int(reply.get("step", 0)), now))
+
+    def _on_sync_status(self, st: dict[str, Any], now: float) -> None:
+        if st.get("finished"):
+            self._run_over = True
+        merged_by = st.get("merged_incarnations", {})
+        registered = st.get("registered", {})
+        for name in self.slots:
+            inc = self.control.incarnation(name)
+            if merged_by.get(name) == inc:
+                reg = registered.get(name, {})
+                versions = reg.get("versions", {}) if reg.get("incarnation") == inc else {}
+                adopted = {int(p): int(v) for p, v in versions.items()}
+                self._record_all(self.control.contributed(name, inc, now, adopted))
+            merged = int(st.get("contributions_merged", {}).get(name, 0))
+            self._record_all(self.degradation.merged(name, merged, now))
+            if self.sync.up and self.control.watches[name].state is LearnerState.TRAINING:
+                self._record_all(self.degradation.check_starved(name, now))
+
+    def _failed(
+        self, name: str, incarnation: int, kind: FailureKind, now: float, detail: str
+    ) -> None:
+        if self._run_over or self._finish is not None:
+            return  # the run is over: a learner stopping now is no failure
+        lost = self._work_lost(name, now)
+        events, commands = self.control.failed(name, incarnation, kind, now, detail)
+        if events:
+            logger.warning("learner %s incarnation %d: %s (%s)", name, incarnation, kind, detail)
+            self._record_all(events + lost)
+        self._execute(commands, now)
+
+    def _work_lost(self, name: str, now: float) -> list[Event]:
+        """Steps of host 0 since the learner's last merged contribution: a restart adopts the
+        global fragments, so that local progress is thrown away."""
+        st, info = self.sync.status or {}, self.slots[name].info.get(0)
+        if not info:
+            return []
+        merged_step = int(st.get("merged_steps", {}).get(name, 0))
+        steps = max(0, int(info.get("step", 0)) - merged_step)
+        step_time = (st.get("learners", {}).get(name) or {}).get("step_time_s") or 0.0
+        return [WorkLost(now, name, steps, steps * float(step_time))] if steps else []
+
+    def _execute(self, commands: list[Command], now: float) -> None:
+        for c in commands:
+            if isinstance(c, KillLearner):
+                self.slots[c.learner].kill(c.rebuild_group)
+                self._record_all(self.degradation.reset(c.learner, now))
+            elif isinstance(c, StartLearner) and self._finish is None:
+                self.slots[c.learner].launch(c.incarnation)
+
+    def _update_snapshot(self) -> None:
+        learners = self.control.snapshot()
+        for name, row in learners.items():
+            info = self.slots[name].info.get(0, {})
+            row.update(step=info.get("step"), degraded=self.degradation.degraded(name))
+        sync = self.sync.status or {}
+        snap = {
+            "learners": learners,
+            "all_gave_up": all(r["state"] == "gave_up" for r in learners.values()),
+            "synchronizer": {
+                "up": self.sync.up,
+                "restores": self.sync.restores,
+                "rounds": sync.get("rounds", 0),
+                "tokens": sync.get("tokens", 0),
+            },
+            "chaos": {
+                "injected": self.chaos.injected if self.chaos else 0,
+                "skipped": self.chaos.skipped if self.chaos else 0,
+            },
+        }
+        with self._lock:
+            self._snapshot = snap
+
+    def _wind_down(self) -> None:
+        reason = self._finish or "finished"
+        logger.info("supervisor winding down: %s", reason)
+        if self.chaos is not None:
+            self.chaos.close()
+        finals: dict[str, Any] = {}
+
+        def stop(name: str, slot: LearnerSlot) -> None:
+            finals[name] = slot.stop(STOP_TIMEOUT_S)
+
+        threads = [
+            threading.Thread(target=stop, args=item, name=f"stop-{item[0]}")
+            for item in self.slots.items()
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        now = self._now()
+        for name in self.slots:
+            self._record_all(self.control.finished(name, now, reason))
+        self._update_snapshot()
+        tokens = int((self.sync.status or {}).get("tokens", 0))
+        self.tape.append(RunFinished(now, tokens, reason))
+        self._final = {n: s for n, s in finals.items() if s is not None}
+        self._done.set()
+
+
+_UP = frozenset({LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLOCKED})
+
+
+def create_supervisor(
+    cfg: RunConfig,
+    t0: float,
+    synchronizer: Any,
+    log_level: str,
+    pin_region: bool,
+    config_digest: str,
+) -> Any:
+    """The run's supervisor: named in the run's namespace, on the head node, owned by the
+    driver (it dies with the driver; the detached synchronizer does not)."""
+    options = {
+        "name": supervisor_name(cfg),
+        "namespace": cfg.synchronizer.namespace,
+        **head_pin_options(),
+    }
+    actor = Supervisor.options(**options)  # type: ignore[attr-defined]
+    return actor.remote(cfg, t0, synchronizer, log_level, pin_region, config_digest)

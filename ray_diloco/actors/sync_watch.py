@@ -1,0 +1,114 @@
+"""Layer: actors (Ray shell). The supervisor's view of the synchronizer.
+
+Every poll sends one `status(since_event)` call unless one is in flight and reads it when it is
+ready, never blocking the control loop. From the answers it produces tape events: the
+synchronizer's own journal (rounds closed, contributions rejected), rebased onto the run clock;
+`SynchronizerLost` when no answer came for `timeout_s` (the synchronizer is being reconstructed
+or hangs: its methods retry transparently across a restart, so a call simply takes long); and
+`SynchronizerRestored` when an answer comes from a new process (its `started_at` changed), with
+the rounds the restart lost: those the old process had closed (read right before a chaos kill,
+else the last answer seen) minus those in the checkpoint it came back from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from ray_diloco.actors.errors import classify_ray_error
+from ray_diloco.control.events import (
+    Event,
+    SynchronizerLost,
+    SynchronizerRestored,
+    event_from_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SyncWatch:
+    def __init__(self, handle: Any, t0: float, timeout_s: float, clock: Callable[[], float]):
+        self.handle, self.t0, self.timeout_s, self.clock = handle, t0, timeout_s, clock
+        self.status: dict[str, Any] | None = None  # the latest answer
+        self.last_ok: float = clock()
+        self.lost = False
+        self.restores = 0
+        self.rounds_at_kill: int | None = None
+        self._ref: Any = None
+        self._sent_at = 0.0
+        self._seq = 0
+        self._started_at: float | None = None
+        self._last_rounds = 0
+
+    @property
+    def up(self) -> bool:
+        return self.status is not None and not self.lost
+
+    def killed(self, rounds: int | None) -> None:
+        """The chaos engine is about to kill the synchronizer, which has closed `rounds`."""
+        self.rounds_at_kill = rounds
+
+    def poll(self) -> tuple[list[Event], dict[str, Any] | None]:
+        """(events for the tape, a new status answer or None)."""
+        now = self.clock()
+        if self._ref is None:
+            self._ref, self._sent_at = self.handle.status.remote(self._seq), now
+            return self._silence(now), None
+        ready, _ = ray.wait([self._ref], timeout=0)
+        if not ready:
+            return self._silence(now), None
+        ref, self._ref = self._ref, None
+        try:
+            st: dict[str, Any] = ray.get(ref)
+        except ray.exceptions.RayError as err:
+            logger.warning("synchronizer status failed (%s): %s", classify_ray_error(err), err)
+            return self._silence(now, force=True, detail=type(err).__name__), None
+        return self._answer(st, now), st
+
+    def _silence(self, now: float, force: bool = False, detail: str = "") -> list[Event]:
+        silent = now - self.last_ok
+        if self.lost or not (force or silent > self.timeout_s):
+            return []
+        self.lost = True
+        logger.warning("synchronizer unanswered for %.1fs", silent)
+        return [SynchronizerLost(now, silent, detail or f"no status answer for {silent:.1f}s")]
+
+    def _answer(self, st: dict[str, Any], now: float) -> list[Event]:
+        events: list[Event] = []
+        started = st.get("started_at")
+        restarted = self._started_at is not None and started != self._started_at
+        if restarted or st["event_seq"] < self._seq:
+            events += self._restored(st, now)
+        self._started_at = started
+        for e in st["events"]:
+            ev = event_from_dict(e)  # journal events carry wall-clock time
+            events.append(dataclasses.replace(ev, t=ev.t - self.t0))
+        self._seq = st["event_seq"]
+        self._last_rounds = st["rounds"]
+        self.status, self.last_ok, self.lost = st, now, False
+        return events
+
+    def _restored(self, st: dict[str, Any], now: float) -> list[Event]:
+        """The answer comes from a new synchronizer process: its journal starts afresh."""
+        events: list[Event] = []
+        if not self.lost:  # reconstructed faster than the timeout: lost all the same
+            events.append(SynchronizerLost(now, now - self.last_ok, "answered by a new process"))
+        restored = st.get("restored") or {}
+        before = self.rounds_at_kill if self.rounds_at_kill is not None else self._last_rounds
+        after = int(restored.get("rounds", 0))
+        versions = {int(p): int(v) for p, v in restored.get("versions", {}).items()}
+        events.append(SynchronizerRestored(now, versions, max(0, before - after)))
+        logger.warning(
+            "synchronizer restored at %d rounds; %d rounds lost", after, max(0, before - after)
+        )
+        self.restores += 1
+        self.rounds_at_kill = None
+        # This answer was asked with the old process's sequence number: drop its events and
+        # read the new journal from its start with the next call.
+        st["events"] = []
+        st["event_seq"] = 0
+        return events

@@ -1,0 +1,173 @@
+"""Layer: control (pure Python; no Ray, no JAX). What each injected fault cost, from the tape.
+
+For every `FaultInjected` on an event tape, `fault_outcomes` finds the event that shows the
+fault was noticed (detection) and the one that shows its effect is over (recovery), and the
+seconds from the injection to each. Per fault kind:
+
+================================  ==============================  ============================
+fault                             detected by                     recovered by
+================================  ==============================  ============================
+kill_host, kill_group,            FailureDetected of the target   LearnerRejoined of the target
+remove_node, hang_host                                            (it contributes again)
+corrupt_nan, corrupt_norm         ContributionRejected (non_finite LearnerRejoined of the target
+                                  / norm_outlier) or
+                                  FailureDetected of the target
+straggler                         LearnerDegraded(slow_steps)     LearnerRecovered(slow_steps)
+cut_link, slow_link (a region)    LearnerDegraded(no_contri-      LearnerRecovered of that
+                                  butions) of a learner there     learner
+kill_synchronizer                 SynchronizerLost                the first RoundClosed after
+                                                                  SynchronizerRestored
+================================  ==============================  ============================
+
+Each event explains at most one fault (the earliest unexplained one before it), so a storm
+with repeated faults on one learner is attributed in order. The chaos tests and
+`benchmarks/recovery.py` read their numbers from here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ray_diloco.control.events import (
+    ContributionRejected,
+    Event,
+    FailureDetected,
+    FaultInjected,
+    LearnerDegraded,
+    LearnerRecovered,
+    LearnerRejoined,
+    RoundClosed,
+    SynchronizerLost,
+    SynchronizerRestored,
+)
+
+LETHAL = frozenset({"kill_host", "kill_group", "remove_node", "hang_host"})
+CORRUPT = frozenset({"corrupt_nan", "corrupt_norm"})
+LINK = frozenset({"cut_link", "slow_link"})
+NUMERICAL_REASONS = frozenset({"non_finite", "norm_outlier"})
+
+
+@dataclass(frozen=True)
+class FaultOutcome:
+    fault: str
+    target: str | None
+    t: float
+    learner: str | None  # the learner that showed it (for a region: the first one)
+    detected_t: float | None
+    recovered_t: float | None
+
+    @property
+    def detection_s(self) -> float | None:
+        return None if self.detected_t is None else self.detected_t - self.t
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Seconds from the injection until the fault's effect was over."""
+        return None if self.recovered_t is None else self.recovered_t - self.t
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "detection_s": self.detection_s, "recovery_s": self.recovery_s}
+
+
+Match = Callable[[Event], bool]
+
+
+def fault_outcomes(events: Iterable[Event], regions: Mapping[str, str]) -> list[FaultOutcome]:
+    """One outcome per injected fault, in injection order; `regions` maps learner -> region."""
+    evs = sorted(events, key=lambda e: e.t)  # stable: ties keep tape order
+    used: set[int] = set()
+    out = []
+    for i, e in enumerate(evs):
+        if isinstance(e, FaultInjected):
+            out.append(_outcome(e, evs, i, used, regions))
+    return out
+
+
+def _find(evs: list[Event], start: int, used: set[int], match: Match) -> int | None:
+    for j in range(start, len(evs)):
+        if j not in used and match(evs[j]):
+            used.add(j)
+            return j
+    return None
+
+
+def _outcome(
+    fault: FaultInjected, evs: list[Event], i: int, used: set[int], regions: Mapping[str, str]
+) -> FaultOutcome:
+    kind, target = fault.fault, fault.target
+    learner: str | None = target
+    detect: Match
+    recover: Callable[[str | None], Match]
+    if kind in LETHAL | CORRUPT:
+
+        def detect(e: Event) -> bool:
+            if isinstance(e, FailureDetected):
+                return e.learner == target
+            return (
+                kind in CORRUPT
+                and isinstance(e, ContributionRejected)
+                and e.learner == target
+                and e.reason in NUMERICAL_REASONS
+            )
+
+        def recover(who: str | None) -> Match:
+            return lambda e: isinstance(e, LearnerRejoined) and e.learner == who
+
+    elif kind == "straggler" or kind in LINK:
+        cause = "slow_steps" if kind == "straggler" else "no_contributions"
+        members = (
+            {target} if kind == "straggler" else {n for n, r in regions.items() if r == target}
+        )
+
+        def detect(e: Event) -> bool:
+            return isinstance(e, LearnerDegraded) and e.cause == cause and e.learner in members
+
+        def recover(who: str | None) -> Match:
+            return lambda e: (
+                isinstance(e, LearnerRecovered) and e.cause == cause and e.learner == who
+            )
+
+    else:  # kill_synchronizer
+        learner = None
+
+        def detect(e: Event) -> bool:
+            return isinstance(e, SynchronizerLost)
+
+        def recover(who: str | None) -> Match:
+            return lambda e: isinstance(e, SynchronizerRestored)
+
+    d = _find(evs, i + 1, used, detect)
+    if d is None:
+        return FaultOutcome(kind, target, fault.t, learner, None, None)
+    if kind in LINK | {"straggler"}:
+        learner = getattr(evs[d], "learner", learner)
+    if kind in CORRUPT and isinstance(evs[d], ContributionRejected):
+        # The supervisor's FailureDetected follows the rejection: it belongs to this fault too.
+        _find(evs, d + 1, used, lambda e: isinstance(e, FailureDetected) and e.learner == target)
+    r = _find(evs, d + 1, used, recover(learner))
+    if r is not None and kind == "kill_synchronizer":
+        # Recovered when the global model advances again, not when the process is back.
+        r = _find(evs, r + 1, set(), lambda e: isinstance(e, RoundClosed))
+    return FaultOutcome(kind, target, fault.t, learner, evs[d].t, None if r is None else evs[r].t)
+
+
+def summarize_outcomes(outcomes: Iterable[FaultOutcome]) -> dict[str, dict[str, Any]]:
+    """Per fault kind: how many, how many detected/recovered, median seconds to each."""
+    by_kind: dict[str, list[FaultOutcome]] = {}
+    for o in outcomes:
+        by_kind.setdefault(o.fault, []).append(o)
+    out = {}
+    for kind, items in sorted(by_kind.items()):
+        det = [o.detection_s for o in items if o.detection_s is not None]
+        rec = [o.recovery_s for o in items if o.recovery_s is not None]
+        out[kind] = {
+            "count": len(items),
+            "detected": len(det),
+            "recovered": len(rec),
+            "detection_s_median": statistics.median(det) if det else None,
+            "recovery_s_median": statistics.median(rec) if rec else None,
+        }
+    return out

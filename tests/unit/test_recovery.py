@@ -1,0 +1,80 @@
+"""Each injected fault is matched to its detection and its recovery on the tape."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_diloco.control.events import (
+    ContributionRejected,
+    FailureDetected,
+    FailureKind,
+    FaultInjected,
+    LearnerDegraded,
+    LearnerRecovered,
+    LearnerRejoined,
+    RoundClosed,
+    SynchronizerLost,
+    SynchronizerRestored,
+)
+from ray_diloco.control.recovery import fault_outcomes, summarize_outcomes
+
+REGIONS = {"a": "us", "b": "eu"}
+
+
+def test_lethal_faults_on_one_learner_are_attributed_in_order():
+    tape = [
+        FaultInjected(10.0, "kill_host", "a"),
+        FailureDetected(10.4, "a", FailureKind.CRASH, 0.4),
+        LearnerRejoined(16.0, "a", 1, {0: 3}, 5.6),
+        FaultInjected(20.0, "hang_host", "a", duration_s=5.0),
+        FailureDetected(22.1, "b", FailureKind.HANG, 2.1),  # another learner: not this fault
+        FailureDetected(22.2, "a", FailureKind.HANG, 2.2),
+        LearnerRejoined(21.0, "b", 1, {}, 1.0),
+        LearnerRejoined(29.0, "a", 2, {0: 9}, 6.8),
+    ]
+    first, second = fault_outcomes(tape, REGIONS)
+    assert (first.detection_s, first.recovery_s) == pytest.approx((0.4, 6.0))
+    assert (second.detection_s, second.recovery_s) == pytest.approx((2.2, 9.0))
+
+
+def test_corruption_straggler_link_and_synchronizer():
+    tape = [
+        FaultInjected(1.0, "corrupt_nan", "b"),
+        ContributionRejected(1.5, "b", 0, 1, "non_finite"),
+        FailureDetected(1.6, "b", FailureKind.NUMERICAL, 0.1),
+        LearnerRejoined(7.0, "b", 1, {}, 5.4),
+        FaultInjected(8.0, "straggler", "a", duration_s=4.0),
+        LearnerDegraded(10.0, "a", "slow_steps"),
+        LearnerRecovered(13.0, "a", "slow_steps", 3.0),
+        FaultInjected(14.0, "cut_link", "eu", duration_s=4.0),
+        LearnerDegraded(14.5, "a", "no_contributions"),  # not in eu: ignored
+        LearnerDegraded(17.0, "b", "no_contributions"),
+        LearnerRecovered(18.5, "b", "no_contributions", 1.5),
+        FaultInjected(20.0, "kill_synchronizer", None),
+        SynchronizerLost(22.0, 2.0),
+        RoundClosed(24.0, 0, 5, 1, 100),  # before the restore: not the recovery
+        SynchronizerRestored(25.0, {0: 4}, 1),
+        RoundClosed(26.5, 0, 5, 1, 100),
+        FaultInjected(30.0, "slow_link", "us", duration_s=2.0),  # never noticed
+    ]
+    outcomes = fault_outcomes(tape, REGIONS)
+    got = [(o.fault, o.learner, o.detection_s, o.recovery_s) for o in outcomes]
+    assert got == pytest.approx(
+        [
+            ("corrupt_nan", "b", 0.5, 6.0),
+            ("straggler", "a", 2.0, 5.0),
+            ("cut_link", "b", 3.0, 4.5),
+            ("kill_synchronizer", None, 2.0, 6.5),
+            ("slow_link", "us", None, None),
+        ]
+    )
+    summary = summarize_outcomes(outcomes)
+    assert summary["slow_link"] == {
+        "count": 1,
+        "detected": 0,
+        "recovered": 0,
+        "detection_s_median": None,
+        "recovery_s_median": None,
+    }
+    assert summary["cut_link"]["recovery_s_median"] == pytest.approx(4.5)
+    assert outcomes[0].to_dict()["recovery_s"] == pytest.approx(6.0)
