@@ -28,13 +28,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the emulated cluster lives with the tests
 
-from common import parser, write_results  # noqa: E402
-
 from ray_diloco.config import build_config  # noqa: E402
 from ray_diloco.control.recovery import fault_outcomes  # noqa: E402
 from ray_diloco.control.tape import read_tape  # noqa: E402
 from tests.chaos.chaos_helpers import REGIONS, NodeReplacer, chaos_tree  # noqa: E402
 from tests.cluster_helpers import FAST_HEALTH_CHECKS, SLICES, TpuCluster, prepare_ray_env  # noqa: E402
+
+from common import parser, write_results  # noqa: E402
 
 KINDS = {
     "kill_host": "v5p",

@@ -197,6 +197,9 @@ class ChaosConfig(_Frozen):
     kinds: tuple[FaultKind, ...] = ("kill_host",)
     schedule: tuple[ScheduledFault, ...] = ()
     fault_duration_s: float = Field(3.0, ge=0)
+    # Failure costs the in-process reference run charges (a Ray run measures them instead).
+    restart_s: float = Field(1.0, ge=0, description="detection + restart + compile, virtual s")
+    dp_checkpoint_every_steps: int = Field(50, ge=1, description="data-parallel checkpoints")
 
 
 class CheckpointConfig(_Frozen):

@@ -1,18 +1,19 @@
 """Layer: actors (Ray shell; the driver process). `run_training`: one training run on Ray.
 
 Connects to Ray first (`address`, else `RAY_ADDRESS`, else an embedded local Ray sized for the
-run), writes `run_dir/config.json`, gets or creates the named detached synchronizer, starts the
-learner groups, and then only watches: every `metrics.log_every_s` it reads the synchronizer's
-status, prints a progress line, appends it to `metrics.jsonl` and moves new events (rounds,
-rejections, learner state changes) onto the event tape `events.jsonl`. At the token budget it
-stops the learners, evaluates the global parameters once more, writes `summary.json`, releases
-the placement groups and (unless told to keep it) shuts the synchronizer down. The driver never
-imports JAX: everything that computes runs in the actors.
+run), writes `run_dir/config.json`, gets or creates the named detached synchronizer and creates
+the run's supervisor (actors/supervisor.py), which starts, watches and restarts the learner
+groups, injects chaos and records the event tape `events.jsonl`. The driver then only watches:
+every `metrics.log_every_s` it reads both statuses, prints a progress line (tokens, loss,
+rounds, goodput, uptime, restarts, recovery times) and appends it to `metrics.jsonl`. At the
+token budget it has the supervisor stop the learners, evaluates the global parameters once
+more, writes `summary.json`, shuts the supervisor down (learners killed, placement groups
+released) and (unless told to keep it) the synchronizer. The driver never imports JAX:
+everything that computes runs in the actors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,21 +25,11 @@ from typing import Any
 
 import ray
 
-from ray_diloco.actors.learner_group import LearnerGroup, regions_are_labelled
+from ray_diloco.actors.learner_group import regions_are_labelled
+from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
 from ray_diloco.actors.sync_restore import checkpoint_dir
 from ray_diloco.actors.synchronizer import config_digest, get_or_create_synchronizer
 from ray_diloco.config import ConfigError, RunConfig, dump_config
-from ray_diloco.control.events import (
-    Event,
-    LearnerState,
-    LearnerStateChanged,
-    RunFinished,
-    RunStarted,
-    SynchronizerRestored,
-    event_from_dict,
-)
-from ray_diloco.control.goodput import compute_goodput
-from ray_diloco.control.tape import EventTape
 from ray_diloco.report import progress_line, write_json
 
 logger = logging.getLogger(__name__)
@@ -47,8 +38,10 @@ EMBEDDED_OBJECT_STORE_BYTES = 300 * 10**6
 SYNC_START_TIMEOUT_S = 600.0  # building data and parameters on a busy laptop
 STOP_TIMEOUT_S = 60.0
 RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl")
+NO_EVENTS = 2**62  # a journal sequence number beyond any: status without the event list
 
 Progress = Callable[[str], None]
+StopWhen = Callable[[dict[str, Any]], str | None]
 
 
 def print_progress(line: str) -> None:
@@ -60,14 +53,17 @@ def run_training(
     address: str | None = None,
     stop_synchronizer: bool = True,
     progress: Progress = print_progress,
+    stop_when: StopWhen | None = None,
 ) -> dict[str, Any]:
-    """Train `cfg` on Ray to its token budget; returns the summary (also in summary.json)."""
+    """Train `cfg` on Ray to its token budget; returns the summary (also in summary.json).
+    `stop_when(supervisor_status)` may end the run earlier by returning a reason (benchmarks
+    stop once their faults played out)."""
     embedded = _connect(cfg, address)
     try:
         run_dir = _prepare_run_dir(cfg)
         cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd
         dump_config(cfg, run_dir / "config.json")
-        return _Run(cfg, progress).execute(stop_synchronizer or embedded)
+        return _Run(cfg, progress, stop_when).execute(stop_synchronizer or embedded)
     finally:
         if embedded:
             ray.shutdown()
@@ -125,52 +121,41 @@ def _synchronizer_alive(cfg: RunConfig) -> bool:
 
 
 class _Run:
-    def __init__(self, cfg: RunConfig, progress: Progress) -> None:
-        self.cfg, self.progress = cfg, progress
+    def __init__(self, cfg: RunConfig, progress: Progress, stop_when: StopWhen | None) -> None:
+        self.cfg, self.progress, self.stop_when = cfg, progress, stop_when
         self.run_dir = Path(cfg.run_dir)
         self.t0 = time.time()
-        self.tape = EventTape(self.run_dir / "events.jsonl")
-        self.groups: list[LearnerGroup] = []
         self.sync: Any = None
-        self.event_seq = 0
-        self.last_rounds = 0
+        self.sup: Any = None
+        self.done = False
         self.rates: dict[str, tuple[float, int]] = {}  # learner -> (time, step) last seen
-        self.last_tokens = 0
-        self.restored_at: float | None = None
 
     def execute(self, stop_synchronizer: bool) -> dict[str, Any]:
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self.tape.append(RunStarted(0.0, config_digest(self.cfg)))
-        reason = "error"
         try:
             self.sync = get_or_create_synchronizer(self.cfg, log_level)
-            # Learner processes boot (import JAX, load data) while the synchronizer builds.
             pin = regions_are_labelled()
             if not pin and any(lg.region != "local" for lg in self.cfg.learners):
                 logger.info("no node has a region label: regions only select emulated links")
-            for i in range(self.cfg.num_learners):
-                group = LearnerGroup(self.cfg, i, log_level=log_level, pin_region=pin)
-                self.groups.append(group)
-                group.create()
+            digest = config_digest(self.cfg)
+            self.sup = create_supervisor(self.cfg, self.t0, self.sync, log_level, pin, digest)
+            # Learner processes boot (import JAX, load data) while the synchronizer builds;
+            # they register with it once it is up.
+            ray.get(self.sup.start.remote(), timeout=SYNC_START_TIMEOUT_S)
             self._check_synchronizer()
-            for group in self.groups:
-                group.start()
-            reason = self._watch()
-            return self._finish(reason)
+            return self._finish(self._watch())
         finally:
             self._teardown(stop_synchronizer)
-            self.tape.append(RunFinished(self._t(), self.last_tokens, reason))
-            self.tape.close()
 
-    def _t(self, wall: float | None = None) -> float:
-        return (time.time() if wall is None else wall) - self.t0
+    def _t(self) -> float:
+        return time.time() - self.t0
 
     def _check_synchronizer(self) -> None:
         """Wait for the synchronizer and make sure it serves this run."""
         s = self.cfg.synchronizer
         logger.info("waiting for the synchronizer %s/%s to start", s.namespace, s.name)
         try:
-            st = ray.get(self.sync.status.remote(), timeout=SYNC_START_TIMEOUT_S)
+            st = ray.get(self.sync.status.remote(NO_EVENTS), timeout=SYNC_START_TIMEOUT_S)
         except ray.exceptions.RayActorError as err:
             raise RuntimeError(f"the synchronizer {s.name!r} could not start: {err}") from err
         if st["config_digest"] != config_digest(self.cfg) or st["finished"]:
@@ -182,37 +167,31 @@ class _Run:
             )
 
     def _watch(self) -> str:
-        """Log progress until the synchronizer says the budget is spent (or nobody trains)."""
+        """Log progress until the budget is spent, every learner was given up, or the
+        caller's `stop_when` says so."""
         while True:
             time.sleep(self.cfg.metrics.log_every_s)
-            st = self._poll()
+            st, sup = self._poll()
             if st["finished"]:
                 return "token budget reached"
-            learners = [g.status() for g in self.groups]
-            self._record_learners(learners)
-            if all(not ls["alive"] or ls["state"] in ("finished", "dead") for ls in learners):
-                logger.error("every learner stopped before the token budget")
-                return "all learners stopped"
+            if sup["all_gave_up"]:
+                logger.error("every learner was given up before the token budget")
+                return "every learner gave up"
+            why = self.stop_when(sup) if self.stop_when is not None else None
+            if why:
+                return why
 
-    def _poll(self) -> dict[str, Any]:
-        st: dict[str, Any] = ray.get(self.sync.status.remote(self.event_seq), timeout=120)
-        self.event_seq = st["event_seq"]
-        for e in st["events"]:
-            self.tape.append(_rebased(event_from_dict(e), self.t0))
-        restored = st["restored"]
-        if restored and restored["time"] != self.restored_at:  # a (re)start from a checkpoint
-            self.restored_at = restored["time"]
-            lost = max(0, self.last_rounds - restored["rounds"])  # rounds this driver saw
-            versions = {int(p): v for p, v in restored["versions"].items()}
-            self.tape.append(SynchronizerRestored(self._t(restored["time"]), versions, lost))
-        self.last_rounds, self.last_tokens = st["rounds"], st["tokens"]
-        point = self._point(st)
+    def _poll(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The synchronizer's and the supervisor's status; one progress line from both."""
+        st: dict[str, Any] = ray.get(self.sync.status.remote(NO_EVENTS), timeout=120)
+        sup: dict[str, Any] = ray.get(self.sup.status.remote(), timeout=120)
+        point = self._point(st, sup)
         self.progress(progress_line(point, self.cfg.token_budget))
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(point) + "\n")
-        return st
+        return st, sup
 
-    def _point(self, st: dict[str, Any]) -> dict[str, Any]:
+    def _point(self, st: dict[str, Any], sup: dict[str, Any]) -> dict[str, Any]:
         t = self._t()
         rates = {}
         for name, ls in st["learners"].items():
@@ -227,43 +206,40 @@ class _Run:
             "rounds": st["rounds"],
             "contributors": st["mean_contributors"],
             "live": len(st["live"]),
+            "goodput": sup["goodput"],
+            "uptime": sup["uptime"],
+            "restarts": {n: ls["restarts"] for n, ls in sup.get("learners", {}).items()},
+            "recovery": {kind: r["recovery_s_median"] for kind, r in sup["recovery"].items()},
             "step_rates": rates,
         }
 
-    def _record_learners(self, statuses: list[dict[str, Any]]) -> None:
-        for ls in statuses:
-            for tr in ls["transitions"]:
-                ev = LearnerStateChanged(
-                    self._t(tr["time"]),
-                    ls["learner"],
-                    ls["incarnation"],
-                    LearnerState(tr["state"]),
-                    tr["reason"],
-                )
-                self.tape.append(ev)
-            if ls.get("error") and ls.get("state") == "dead":
-                logger.error("learner %s failed:\n%s", ls["learner"], ls["error"])
-
     def _finish(self, reason: str) -> dict[str, Any]:
-        for g in self.groups:
-            g.stop(STOP_TIMEOUT_S)
-        final_learners = [g.status() for g in self.groups]
-        self._record_learners(final_learners)
+        """Stop the learners (through the supervisor), evaluate once more, write the summary."""
+        ray.get(self.sup.finish.remote(reason), timeout=60)
+        deadline = time.monotonic() + 2 * STOP_TIMEOUT_S
+        while not (sup := ray.get(self.sup.status.remote(), timeout=120))["done"]:
+            if time.monotonic() > deadline:
+                logger.warning("the supervisor did not stop the learners in time")
+                break
+            logger.info("waiting for the supervisor to stop the learners")
+            time.sleep(0.2)
+        self.done = True
         loss = ray.get(self.sync.evaluate.remote(), timeout=300)
-        st = self._poll()
-        summary = _summary(self.cfg, st, final_learners, loss, self.t0)
-        report = compute_goodput(self.tape.events, self._t(), _uptime_window(self.cfg, st))
-        summary.update(goodput=report.goodput, uptime=report.uptime, stop_reason=reason)
-        for name, acct in summary["learners"].items():
-            if name in report.learners:  # seconds in each state, for step rates and goodput
-                acct["seconds"] = report.learners[name].seconds
+        st, _ = self._poll()
+        summary = _summary(self.cfg, st, sup, loss, self.t0)
+        summary["stop_reason"] = reason
         write_json(self.run_dir / "summary.json", summary)
         return summary
 
     def _teardown(self, stop_synchronizer: bool) -> None:
-        for g in self.groups:
-            g.kill()
-            g.release()
+        if self.sup is not None:
+            try:
+                # Kills every learner, frees the placement groups, closes the event tape.
+                ray.get(self.sup.shutdown.remote(), timeout=120)
+            except Exception:
+                logger.exception("shutting down the supervisor")
+            ray.kill(self.sup, no_restart=True)
+            _wait_name_released(supervisor_name(self.cfg), self.cfg.synchronizer.namespace)
         if self.sync is None:
             return
         s = self.cfg.synchronizer
@@ -281,7 +257,7 @@ class _Run:
 
 def _wait_name_released(name: str, namespace: str, timeout_s: float = 10.0) -> None:
     """ray.kill is asynchronous: wait until the name is free, so the next run creates a
-    fresh synchronizer instead of getting the dying one."""
+    fresh actor instead of getting the dying one."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -289,36 +265,24 @@ def _wait_name_released(name: str, namespace: str, timeout_s: float = 10.0) -> N
         except ValueError:
             return
         time.sleep(0.1)
-    logger.warning(
-        "synchronizer %s/%s still registered %.0f s after kill", namespace, name, timeout_s
-    )
-
-
-def _rebased(event: Event, t0: float) -> Event:
-    return dataclasses.replace(event, t=event.t - t0)
-
-
-def _uptime_window(cfg: RunConfig, st: dict[str, Any]) -> float:
-    """Two sync periods of a fragment at the learners' mean step time."""
-    times = [ls["step_time_s"] for ls in st["learners"].values() if ls["step_time_s"]]
-    step = sum(times) / len(times) if times else 1.0
-    return max(1.0, 2 * cfg.diloco.sync_every * step)
+    logger.warning("actor %s/%s still registered %.0f s after kill", namespace, name, timeout_s)
 
 
 def _summary(
     cfg: RunConfig,
     st: dict[str, Any],
-    learners: list[dict[str, Any]],
+    sup: dict[str, Any],
     loss: float,
     t0: float,
 ) -> dict[str, Any]:
-    """The keys of `simulate.summarize_diloco` that apply, plus wall-clock measures."""
+    """The keys of `simulate.summarize_diloco` that apply, wall-clock measures, and what the
+    supervisor measured from the event tape: goodput, uptime, restarts, faults and recovery."""
     tokens, wall_s = st["tokens"], time.time() - t0
     up, down = sum(st["bytes_up"].values()), sum(st["bytes_down"].values())
     tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * cfg.model.seq_len
     dp_per_token = 2 * 4 * st["num_params"] * cfg.num_learners / tokens_per_dp_step
     names = [lg.name for lg in cfg.learners]
-    by_name = {ls["learner"]: ls for ls in learners}
+    final, watched = sup["final"], sup.get("learners", {})
     return {
         "mode": cfg.diloco.mode,
         "heldout_loss": loss,
@@ -339,14 +303,23 @@ def _summary(
         "ledger_violations": st["ledger_violations"],
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / max(wall_s, 1e-9),
+        "goodput": sup["goodput"],
+        "uptime": sup["uptime"],
+        "uptime_window_s": sup["uptime_window_s"],
+        "num_failures": sup["num_failures"],
+        "recovery": sup["recovery"],
+        "faults": sup["faults"],
+        "synchronizer_restores": sup["synchronizer"]["restores"],
         "learners": {
             n: {
-                "inner_steps": by_name.get(n, {}).get(
-                    "step", st["learners"].get(n, {}).get("step")
-                ),
-                "tokens": st["learners"].get(n, {}).get("cursor", 0),
+                "inner_steps": final.get(n, {}).get("step", st["learners"].get(n, {}).get("step")),
+                "tokens": st["learners"].get(n, {}).get("cursor", 0),  # the ledger's cursor
+                "final_cursor": final.get(n, {}).get("cursor"),  # the learner's own
                 "contributions_merged": st["contributions_merged"].get(n, 0),
-                "state": by_name.get(n, {}).get("state"),
+                "state": watched.get(n, {}).get("state"),
+                "incarnation": watched.get(n, {}).get("incarnation", 0),
+                "restarts": watched.get(n, {}).get("restarts", 0),
+                "seconds": sup["learner_seconds"].get(n, {}),
             }
             for n in names
         },

@@ -33,6 +33,15 @@ def progress_line(point: Mapping[str, Any], budget: int) -> str:
         parts.append(f"contributors/round {point['contributors']:.2f}")
     if point.get("goodput") is not None:
         parts.append(f"goodput {point['goodput']:.3f}")
+    if point.get("uptime") is not None:
+        parts.append(f"uptime {point['uptime']:.3f}")
+    restarts = {k: v for k, v in (point.get("restarts") or {}).items() if v}
+    if restarts:
+        parts.append("restarts " + " ".join(f"{k}:{v}" for k, v in sorted(restarts.items())))
+    recovery = {k: v for k, v in (point.get("recovery") or {}).items() if v is not None}
+    if recovery:
+        shown = " ".join(f"{k}:{v:.1f}s" for k, v in sorted(recovery.items()))
+        parts.append(f"recovered in [{shown}]")
     if point.get("step_rates"):
         rates = " ".join(f"{k}:{v:.1f}" for k, v in sorted(point["step_rates"].items()))
         parts.append(f"steps/s [{rates}]")

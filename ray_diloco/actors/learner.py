@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from ray_diloco.actors.host_faults import HostFaults
 from ray_diloco.actors.learner_channel import Fenced, SyncChannel
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import LearnerState
@@ -66,6 +67,8 @@ class LearnerHost:
         self.loss: float | None = None
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0)
         self._thread: threading.Thread | None = None
+        self.faults = HostFaults()  # chaos hooks: straggler, corrupted contributions
+        self.channel: SyncChannel | None = None  # host 0's, once its loop runs
 
     # -- methods (all return at once) --------------------------------------------------------
 
@@ -128,7 +131,23 @@ class LearnerHost:
             "node_id": ctx.get_node_id(),
             "state": self.state.value,
             "step": self.core.step if self.core else 0,
+            "stop_reason": self.stop_reason,
+            "error": self.error,
         }
+
+    def inject_fault(self, kind: str, duration_s: float = 0.0, factor: float = 1.0) -> str:
+        """Chaos (actors/faults.py): become a straggler for a while, or corrupt the next
+        offered contribution (corrupt_nan, corrupt_norm)."""
+        return self.faults.arm(kind, duration_s, factor)
+
+    def impair_link(self, region: str, duration_s: float, factor: float | None) -> bool:
+        """Chaos: cut (factor None) or slow down this learner's emulated upstream link."""
+        channel = self.channel
+        if channel is None:
+            return False
+        now = time.monotonic()
+        channel.wan.impair(region, now, now + duration_s, factor)
+        return True
 
     # -- the inner loop (its own thread) -----------------------------------------------------
 
@@ -136,6 +155,7 @@ class LearnerHost:
         from ray_diloco.actors import spmd
 
         try:
+            _use_compilation_cache(self.cfg)
             if self.num_hosts > 1:
                 assert coordinator is not None, "a multi-host learner needs a coordinator"
                 spmd.initialize(coordinator, self.num_hosts, self.host_index)
@@ -156,6 +176,7 @@ class LearnerHost:
 
         leader = self.host_index == 0
         channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
+        self.channel = channel
         link: Any = spmd.LocalLink()
         layout, plan = None, None
         if self.num_hosts > 1:
@@ -197,12 +218,13 @@ class LearnerHost:
         while True:
             t0 = time.perf_counter()
             self.loss = core.train_step(*core.next_batch())
-            offers = core.offers()
+            offers = self.faults.corrupt(core.offers())
             if self.state is LearnerState.COMPILING:
                 self._set_state(LearnerState.TRAINING, "compiled")
             elif channel is not None:
                 # Emulated speed: a step that computed in t takes t/speed*(1+jitter*N(0,1)).
                 target = (time.perf_counter() - t0) * clock.next() / cfg.step_time_s
+                target *= self.faults.slowdown()  # chaos: a straggler window
                 self._stop.wait(max(0.0, target - (time.perf_counter() - t0)))
             if channel is not None:
                 step_time = time.perf_counter() - t0
@@ -256,3 +278,13 @@ class LearnerHost:
     def _set_state(self, state: LearnerState, reason: str) -> None:
         self.state = state
         self.transitions.append({"time": time.time(), "state": state.value, "reason": reason})
+
+
+def _use_compilation_cache(cfg: RunConfig) -> None:
+    """JAX's persistent compilation cache in the run dir: a restarted incarnation loads the
+    compiled step instead of compiling it again (every entry kept, however small or fast)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cfg.run_dir, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -2,7 +2,8 @@
 
 `register` admits this incarnation and returns what it adopts. `report` sends a progress
 report without waiting for it: replies are read later with `ray.wait(timeout=0)` (at most
-`MAX_REPORTS_IN_FLIGHT` outstanding, beyond which the loop waits, logged); a reply can stop the
+`MAX_REPORTS_IN_FLIGHT` outstanding, beyond which only one report per beat is sent while
+training goes on: a synchronizer being restarted never stops a learner); a reply can stop the
 learner (the budget is spent) or ask it to register again (the synchronizer restarted from a
 checkpoint and no longer knows it). `offer` hands each contribution to a sender thread that
 holds it for the emulated upstream link time, then pushes it by value with `sync.offer.remote`.
@@ -78,13 +79,20 @@ class SyncChannel:
     def report(
         self, core: LearnerCore, step_time: float | None, loss: float | None, stop: Stop
     ) -> None:
+        if len(self._reports) >= MAX_REPORTS_IN_FLIGHT:
+            # The synchronizer is slow or being reconstructed from its checkpoint: keep
+            # training (a learner never waits for it), report once per beat until it answers.
+            self._drain_reports(core, stop)
+            if len(self._reports) >= MAX_REPORTS_IN_FLIGHT and time.monotonic() < self._next_beat:
+                self.counts["reports_skipped"] += 1
+                return
         self._reports.append(
             self.sync.report.remote(
                 self.name, self.incarnation, core.step, step_time, core.cursor, loss
             )
         )
         self._next_beat = time.monotonic() + self.beat_s
-        self._drain_reports(core, stop, block=len(self._reports) > MAX_REPORTS_IN_FLIGHT)
+        self._drain_reports(core, stop)
 
     def heartbeat(self, core: LearnerCore, loss: float | None, stop: Stop) -> None:
         """While blocked: a report without a step time every third of the heartbeat timeout."""

@@ -116,6 +116,7 @@ class Supervisor:
         self._final: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self._chaos_t0: float | None = None
+        self._end_t: float | None = None  # when the run finished (RunFinished)
 
     # -- methods (all return at once) ---------------------------------------------------------
 
@@ -132,15 +133,18 @@ class Supervisor:
         """Learners (state, incarnation, restarts), faults, the synchronizer, goodput so far."""
         with self._lock:
             snap = dict(self._snapshot)
-        report = compute_goodput(
-            self.tape.events, self._now(), uptime_window_s(self.cfg, self.sync.status)
-        )
-        outcomes = fault_outcomes(self.tape.events, self.regions)
+        events = self.tape.events
+        end = self._end_t if self._end_t is not None else self._now()
+        window = uptime_window_s(self.cfg, self.sync.status)
+        report = compute_goodput(events, end, window)
+        outcomes = fault_outcomes(events, self.regions)
         return {
             **snap,
-            "t": self._now(),
+            "t": end,
             "goodput": report.goodput,
             "uptime": report.uptime,
+            "uptime_window_s": window,
+            "learner_seconds": {n: b.seconds for n, b in report.learners.items()},
             "num_failures": report.num_failures,
             "recovery": summarize_outcomes(outcomes),
             "faults": [o.to_dict() for o in outcomes],
@@ -165,6 +169,9 @@ class Supervisor:
             self.chaos.close()
         for slot in self.slots.values():
             slot.release()
+        if not self._done.is_set():  # the driver gave up on the run (an error, an interrupt)
+            tokens = int((self.sync.status or {}).get("tokens", 0))
+            self.tape.append(RunFinished(self._now(), tokens, "shut down before the end"))
         self.tape.close()
 
     # -- chaos targets (faults.Targets) -------------------------------------------------------
@@ -358,6 +365,7 @@ class Supervisor:
         tokens = int((self.sync.status or {}).get("tokens", 0))
         self.tape.append(RunFinished(now, tokens, reason))
         self._final = {n: s for n, s in finals.items() if s is not None}
+        self._end_t = now
         self._done.set()
 
 

@@ -33,7 +33,8 @@ import ray
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
-from ray_diloco.actors.sync_restore import restore
+from ray_diloco.actors.sync_restore import checkpoint_dir, restore
+from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
@@ -79,8 +80,14 @@ class Synchronizer:
         self.finished_at: float | None = None
         self.restored: dict[str, Any] | None = None
         self.checkpointer: Any = None
+        self.versions_mark: VersionMark | None = None
         if cfg.checkpoint.enabled:
             self.checkpointer, self.restored = restore(cfg, self.core, self._now())
+            self._resume_versions()
+        # Per learner: the incarnation and versions it registered with, and the incarnation
+        # and step of its last merged contribution (the supervisor detects rejoins from them).
+        self.registered: dict[str, dict[str, Any]] = {}
+        self.merged_by: dict[str, tuple[int, int]] = {}
         self._saved_rounds = self.rounds()
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
@@ -94,7 +101,8 @@ class Synchronizer:
         latest published version of every fragment, its data cursor from the ledger, and the
         fragment plan (one source for every learner)."""
         with self._lock:
-            self.core.register(learner, incarnation, self._now())
+            versions = self.core.register(learner, incarnation, self._now())
+            self.registered[learner] = {"incarnation": incarnation, "versions": versions}
             self.hosts[learner] = list(host_handles)
             snapshot = self.core.snapshot()
             cursor = self.core.ledger.resume_cursor(learner)
@@ -155,9 +163,21 @@ class Synchronizer:
                 "learners": self.journal.learner_table(),
                 "finished": self.finished_at is not None,
                 "restored": self.restored,
+                "registered": dict(self.registered),
+                "merged_incarnations": {n: inc for n, (inc, _) in self.merged_by.items()},
+                "merged_steps": {n: step for n, (_, step) in self.merged_by.items()},
                 "events": events,
                 "event_seq": seq,
             }
+
+    @ray.method(concurrency_group="control")
+    def impair_link(self, region: str, duration_s: float, factor: float | None) -> None:
+        """Chaos: cut (factor None) or slow down the region's emulated downstream link."""
+        now = time.monotonic()
+        self._wan.impair(region, now, now + duration_s, factor)
+        logger.warning(
+            "link of region %s impaired for %.1fs (factor %s)", region, duration_s, factor
+        )
 
     @ray.method(concurrency_group="control")
     def shutdown(self) -> str | None:
@@ -257,6 +277,10 @@ class Synchronizer:
                 continue
             with self._lock:
                 self.core.commit(pub, self._now())
+                for c in close.contributions:
+                    self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
+                if self.versions_mark is not None:  # before the version leaves this process
+                    self.versions_mark.update(self.core.book.versions())
                 targets = self._targets()
                 live = len(self.core.book.live(self._now()))
                 for learner in targets:
@@ -311,6 +335,21 @@ class Synchronizer:
         return loss
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _resume_versions(self) -> None:
+        """Number restored fragments above every version published before a restart (the
+        mark survives the checkpoints' gap), so versions never go backwards."""
+        self.versions_mark = VersionMark(checkpoint_dir(self.cfg))
+        lost = self.core.resume_versions(self.versions_mark.load())
+        if lost:
+            base = self.restored or {
+                "versions": {},
+                "rounds": 0,
+                "restart": True,
+                "time": time.time(),
+            }
+            self.restored = {**base, "rounds_lost": lost}
+            logger.warning("%d rounds published after the last checkpoint were lost", lost)
 
     def rounds(self) -> int:
         return sum(self.core.book.versions().values())

@@ -17,15 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm import data, inner, links, model
+from ray_diloco.algorithm import data, inner, links, model, sim_faults
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments, sizes_of
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.algorithm.wire import decode_tree
 from ray_diloco.config import LearnerGroupConfig, RunConfig
+from ray_diloco.control.goodput import uptime
 
 Progress = Callable[[dict[str, Any]], None]
 NUM_EVALS = 10  # held-out evaluations of the global parameters over a run
+UPTIME_WINDOW_STEPS = 20  # the global model is "up" in a window of this many inner steps
+# when it advanced at least once in it (algorithm.md section 9)
 
 
 @dataclass
@@ -126,15 +129,22 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     done_s = [0.0] * len(learners)  # when each learner last completed a step
     polls: set[float] = set()
     wan = links.LinkEmulator(cfg.links)
+    alive = [True] * len(learners)
+    epoch = [0] * len(learners)  # bumped on failure: the dead process's pending step is void
+    lost_s = [0.0] * len(learners)
+    round_times: list[float] = []
     for i, lg in enumerate(cfg.learners):
         sync.register(lg.name, 0, 0.0)
         dt = clocks[i].next()
-        sim.push(dt, "step", (i, dt))
+        sim.push(dt, "step", (i, dt, 0))
+    for t, i in sim_faults.failure_times(cfg, sim_faults.horizon(cfg)):
+        sim.push(t, "fail", i)
     next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
     now = 0.0
 
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
+            round_times.append(t)
             for j, lg in enumerate(cfg.learners):
                 arrive = wan.arrival(lg.region, "down", pub.nbytes, t + pub.sync_time_s)
                 sync.sent(lg.name, pub.nbytes)
@@ -152,12 +162,14 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             return
         blocked[i] = False
         dt = clocks[i].next()
-        sim.push(t + dt, "step", (i, dt))
+        sim.push(t + dt, "step", (i, dt, epoch[i]))
 
     while sim.queue and sync.ledger.tokens_trained < cfg.token_budget:
         now, _, kind, payload = heapq.heappop(sim.queue)
         if kind == "step":
-            i, dt = payload
+            i, dt, ep = payload
+            if ep != epoch[i]:
+                continue  # the process that was taking this step died
             busy[i] += dt
             done_s[i] = now
             core, lg = learners[i], cfg.learners[i]
@@ -176,9 +188,34 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             close_rounds(now)
         elif kind == "publish":
             j, frag, version, encoded = payload
+            if not alive[j]:
+                continue  # a learner that is down gets the latest version when it comes back
             learners[j].receive(frag, version, decode_tree(encoded))
             if blocked[j]:
                 step_boundary(j, now)
+        elif kind == "fail" and alive[payload]:
+            i = payload
+            alive[i], blocked[i] = False, False
+            epoch[i] += 1
+            lost_s[i] += sim_faults.lost_steps(learners[i]) * clocks[i].base
+            sim.push(now + cfg.chaos.restart_s, "restart", i)
+        elif kind == "restart":
+            i, lg = payload, cfg.learners[payload]
+            incarnation = learners[i].incarnation + 1
+            learners[i] = LearnerCore(
+                cfg,
+                lg,
+                setup.plan,
+                sync.snapshot(),
+                setup.corpus.train,
+                incarnation=incarnation,
+                cursor=sync.ledger.resume_cursor(lg.name),
+                shard_index=i,
+                num_shards=cfg.num_learners,
+            )
+            sync.register(lg.name, incarnation, now)
+            alive[i] = True
+            step_boundary(i, now)
         tokens = sync.ledger.tokens_trained
         if tokens >= next_eval:
             sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
@@ -186,7 +223,15 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
     summary = summarize_diloco(setup, sync, learners, sim.evals, now)
     lost = _lost_fraction(sync)
-    return summary | {"work_lost_fraction": lost, "goodput": _goodput(busy, done_s) * (1 - lost)}
+    # A learner that is down at the end was allocated until the end.
+    until = [d if up else now for d, up in zip(done_s, alive, strict=True)]
+    productive = [b - x for b, x in zip(busy, lost_s, strict=True)]
+    return summary | {
+        "work_lost_fraction": lost,
+        "goodput": _goodput(productive, until) * (1 - lost),
+        "uptime": uptime(round_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
+        "failures": sum(inc.incarnation for inc in learners),
+    }
 
 
 def _rounds(sync: SynchronizerCore) -> int:
@@ -213,18 +258,36 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
     comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
     now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // NUM_EVALS)
     busy = [0.0] * len(clocks)
+    failures = [t for t, _ in sim_faults.failure_times(cfg, sim_faults.horizon(cfg))]
+    ckpt = sim_faults.DataParallelCheckpoint.take(core)
+    busy_at_ckpt, lost, num_failures = 0.0, 0.0, 0
+    step_times: list[float] = []
     while core.cursor < cfg.token_budget:
+        if failures and failures[0] <= now:
+            # One host down stops the whole job: restart, roll back to the last checkpoint and
+            # redo the steps since; failures while it is down hit nothing new.
+            num_failures += 1
+            lost += sum(busy) - busy_at_ckpt
+            busy_at_ckpt = sum(busy)
+            ckpt.restore(core)
+            now += cfg.chaos.restart_s
+            failures = [t for t in failures if t > now]
         core.train_step(*core.next_batch())
         times = [c.next() for c in clocks]
         busy = [b + t for b, t in zip(busy, times, strict=True)]
         now += max(times) + comm
+        step_times.append(now)
+        if core.step % cfg.chaos.dp_checkpoint_every_steps == 0:
+            ckpt, busy_at_ckpt = sim_faults.DataParallelCheckpoint.take(core), sum(busy)
         if core.cursor >= next_eval:
             sim.eval_point(now, core.cursor, core.params)
             next_eval += eval_every
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
     return {
-        "goodput": _goodput(busy, [now] * len(busy)),
+        "goodput": _goodput([sum(busy) - lost], [now * len(busy)]),
+        "uptime": uptime(step_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
+        "failures": num_failures,
         **_common_summary(setup, sim.evals, now),
         "tokens": core.cursor,
         "inner_steps": core.step,

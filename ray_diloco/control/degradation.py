@@ -61,7 +61,7 @@ class DegradationMonitor:
 
     def reset(self, learner: str, now: float) -> list[Event]:
         """A new incarnation starts: forget the baseline; open degradations end here."""
-        events = [
+        events: list[Event] = [
             LearnerRecovered(now, learner, cause, now - since)
             for cause, since in sorted(self.tracks[learner].degraded.items())
         ]

@@ -1,0 +1,149 @@
+"""Goodput under failures: the same model, data, token budget and seeded failure schedule in
+`decoupled`, `synchronous` and `data_parallel` modes at three failure intensities, on the
+in-process reference run (virtual clock; `ray_diloco.algorithm.sim_faults` charges what a
+failure costs; the Ray chaos suite in tests/chaos proves the real system recovers).
+
+Intensities, per learner, in inner steps of `step_time_s` (0.05 virtual s): none; moderate,
+a failure every 1000 steps on average; aggressive, every 200 steps. A failed learner needs
+`chaos.restart_s` = 10 steps (detection + restart + compile) before it trains again;
+data-parallel restarts from a checkpoint taken every 50 steps.
+
+    python benchmarks/goodput.py            # jobs/reference.yaml at 1M tokens
+    python benchmarks/goodput.py --quick
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from ray_diloco.algorithm.simulate import run_reference
+from ray_diloco.config import load_config
+
+from common import parser, write_results
+
+CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
+QUICK = [
+    "token_budget=80000",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.d_ff=64",
+    "diloco.sync_every=8",
+    "diloco.num_fragments=8",
+    "data.eval_batches=2",
+]
+STEP_S = 0.05
+INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP_S}
+MODES = ["decoupled", "synchronous", "data_parallel"]
+
+
+def run(mode: str, mtbf_s: float | None, quick: bool) -> dict[str, Any]:
+    if mtbf_s and quick:
+        mtbf_s /= 20  # the quick run is ~20x shorter: keep a few failures in it
+    chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf_s}"] if mtbf_s else []
+    overrides = [
+        *(QUICK if quick else ["token_budget=1000000"]),
+        f"diloco.mode={mode}",
+        f"step_time_s={STEP_S}",
+        f"chaos.restart_s={10 * STEP_S}",
+        "chaos.seed=7",
+        "run_dir=/tmp/ray_diloco-goodput",
+        *chaos,
+    ]
+    t0 = time.perf_counter()
+    s = run_reference(load_config(CONFIG, overrides))
+    s["wall_s"] = time.perf_counter() - t0
+    return s
+
+
+def time_to(evals: list[dict[str, float]], target: float) -> float | None:
+    return next((e["t"] for e in evals if e["heldout_loss"] <= target), None)
+
+
+def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -> None:
+    fig = Figure(figsize=(11, 4.2))
+    ax_loss, ax_good = fig.subplots(1, 2)
+    for (mode, intensity), s in results.items():
+        if intensity == "aggressive":
+            ax_loss.plot(
+                [e["t"] for e in s["evals"]],
+                [e["heldout_loss"] for e in s["evals"]],
+                label=f"{mode} (aggressive, {s['failures']} failures)",
+            )
+    ax_loss.set_xlabel("virtual time (s)")
+    ax_loss.set_ylabel("held-out loss")
+    ax_loss.legend(fontsize=8)
+    for mode in MODES:
+        xs = list(INTENSITIES)
+        ax_good.plot(xs, [results[(mode, i)]["goodput"] for i in xs], marker="o", label=mode)
+    ax_good.set_ylabel("goodput")
+    ax_good.set_ylim(0, 1.05)
+    ax_good.legend(fontsize=8)
+    for ax in (ax_loss, ax_good):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=110)
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    results = {}
+    for intensity, mtbf in INTENSITIES.items():
+        for mode in MODES:
+            results[(mode, intensity)] = s = run(mode, mtbf, args.quick)
+            line = f"goodput {s['goodput']:.3f} uptime {s['uptime']:.3f}"
+            print(f"{mode:13s} {intensity:10s} {line} ({s['wall_s']:.0f}s)", flush=True)
+    # target: the worst fault-free final loss, so every fault-free run reaches it
+    target = max(results[(m, "none")]["heldout_loss"] for m in MODES) * 1.001
+    rows = []
+    for (mode, intensity), s in results.items():
+        dp = results[("data_parallel", intensity)]["goodput"]
+        rows.append(
+            {
+                "mode": mode,
+                "failures": intensity,
+                "mtbf_steps": INTENSITIES[intensity] and INTENSITIES[intensity] / STEP_S,
+                "num_failures": s["failures"],
+                "goodput": s["goodput"],
+                "goodput_vs_dp": s["goodput"] / dp if dp else None,
+                "uptime": s["uptime"],
+                "tokens_per_virtual_s": s["tokens"] / s["virtual_time_s"],
+                "time_to_target_s": time_to(s["evals"], target),
+                "heldout_loss": s["heldout_loss"],
+            }
+        )
+    name = "goodput-quick" if args.quick else "goodput"
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, args.out, name)
+    columns = [
+        "mode",
+        "failures",
+        "mtbf_steps",
+        "num_failures",
+        "goodput",
+        "goodput_vs_dp",
+        "uptime",
+        "tokens_per_virtual_s",
+        "time_to_target_s",
+        "heldout_loss",
+    ]
+    write_results(
+        args.out,
+        name,
+        rows,
+        columns,
+        {
+            "config": CONFIG.name,
+            "quick": args.quick,
+            "target_loss": target,
+            "restart_steps": 10,
+            "dp_checkpoint_every_steps": 50,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
