@@ -15,23 +15,15 @@ merged per fragment relative to the same run on an unconstrained link.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
 
-from common import parser, write_results
+from common import QUICK_MODEL, REFERENCE, parser, write_results
 
-CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
-QUICK = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.d_ff=64",
-    "data.eval_batches=1",
-    "diloco.sync_every=8",
-    "diloco.num_fragments=8",
-]
+CONFIG = REFERENCE
+QUICK = QUICK_MODEL
 # Homogeneous learners behind one link with 1 ms latency: the bandwidth is the only constraint
 # (an 18% slower learner alone caps a barrier's goodput at ~0.85 whatever the link).
 WAN = [f"learners.{i}.{k}" for i in range(4) for k in ("region=wan", "speed=1", "jitter=0")]
@@ -57,13 +49,13 @@ def goodput_at(mode: str, gbps: float, quick: bool, budget: int, free: dict[str,
 
 
 def needed_bandwidth(mode: str, quick: bool, budget: int) -> float:
-    """Smallest bandwidth (Gbps, within 10%) at which goodput >= TARGET, by bisection on a log
-    scale between 1 Mbps and 100 Gbps."""
+    """Smallest bandwidth (Gbps, within 10%; within 2x for --quick) at which goodput >=
+    TARGET, by bisection on a log scale between 1 Mbps and 100 Gbps."""
     free = run([*MODES[mode], *WAN], quick, budget)  # region without a link: unconstrained
     lo, hi = math.log(1e-3), math.log(100.0)
     if goodput_at(mode, math.exp(hi), quick, budget, free) < TARGET:
         return math.inf
-    while hi - lo > math.log(1.1):
+    while hi - lo > math.log(2.0 if quick else 1.1):
         mid = (lo + hi) / 2
         if goodput_at(mode, math.exp(mid), quick, budget, free) >= TARGET:
             hi = mid

@@ -23,18 +23,10 @@ from matplotlib.figure import Figure
 from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
 
-from common import parser, write_results
+from common import QUICK_MODEL, REFERENCE, parser, write_results
 
-CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
-QUICK = [
-    "token_budget=80000",
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.d_ff=64",
-    "diloco.sync_every=8",
-    "diloco.num_fragments=8",
-    "data.eval_batches=2",
-]
+CONFIG = REFERENCE
+QUICK = [*QUICK_MODEL, "token_budget=80000"]
 STEP_S = 0.05
 INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP_S}
 MODES = ["decoupled", "synchronous", "data_parallel"]

@@ -17,18 +17,10 @@ from matplotlib.figure import Figure
 from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
 
-from common import parser, write_results  # benchmarks/ is on sys.path when run as a script
+from common import QUICK_MODEL, REFERENCE, parser, write_results
 
-CONFIG = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
-QUICK = [
-    "token_budget=60000",
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.d_ff=64",
-    "diloco.sync_every=8",
-    "diloco.num_fragments=8",
-    "data.eval_batches=2",
-]
+CONFIG = REFERENCE
+QUICK = [*QUICK_MODEL, "token_budget=60000"]
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],

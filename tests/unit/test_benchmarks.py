@@ -1,0 +1,54 @@
+"""The benchmark scripts' --quick settings run and write results of the documented shape
+(their values are measured by the full settings, not asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_quick(script: str, out: Path, *extra: str) -> dict:
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out), *extra],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=600,
+    )
+    name = script.removesuffix(".py") + "-quick"
+    assert list(out.glob(f"{name}-*.md")), "dated markdown report missing"
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_benchmarks_write_their_tables(tmp_path):
+    goodput = run_quick("goodput.py", tmp_path)
+    assert {(r["mode"], r["failures"]) for r in goodput["rows"]} == {
+        (m, f)
+        for m in ("decoupled", "synchronous", "data_parallel")
+        for f in ("none", "moderate", "aggressive")
+    }
+    assert {"goodput", "uptime", "time_to_target_s", "heldout_loss"} <= goodput["rows"][0].keys()
+    assert (tmp_path / "goodput-quick.png").stat().st_size > 0
+
+    quality = run_quick("quality.py", tmp_path, "--only", "data_parallel", "decoupled K=1 grace")
+    assert [r["variant"] for r in quality["rows"]] == ["data_parallel", "decoupled K=1 grace"]
+    assert quality["rows"][0]["vs_data_parallel"] == 0.0
+
+    bandwidth = run_quick("bandwidth.py", tmp_path)
+    assert {(r["mode"], r["wire"]) for r in bandwidth["rows"]} == {
+        ("data_parallel", "float32"),
+        ("synchronous", "bfloat16"),
+        ("synchronous", "int4"),
+        ("decoupled", "bfloat16"),
+        ("decoupled", "int4"),
+    }
+    assert all(r["bytes_per_token"] > 0 for r in bandwidth["rows"])
+    assert "command" in bandwidth["meta"] and "machine" in bandwidth["meta"]
