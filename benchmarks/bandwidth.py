@@ -66,8 +66,8 @@ def needed_bandwidth(mode: str, quick: bool, budget: int) -> float:
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    budget = 60_000 if args.quick else 2_000_000
-    sweep_budget = 40_000 if args.quick else 300_000
+    budget = 60_000 if args.quick else 500_000
+    sweep_budget = 40_000 if args.quick else 200_000
     rows = []
     for mode, overrides in MODES.items():
         for wire in ("bfloat16", "int4") if mode != "data_parallel" else ("float32",):
