@@ -36,19 +36,23 @@ from tests.cluster_helpers import FAST_HEALTH_CHECKS, SLICES, TpuCluster, prepar
 
 from common import parser, write_results  # noqa: E402
 
-KINDS = {
-    "kill_host": "v5p",
-    "kill_group": "eu",
-    "remove_node": "v5p",
-    "hang_host": "v5p",
-    "straggler": "eu",
-    "cut_link": REGIONS["eu"],
-    "slow_link": REGIONS["eu"],
-    "corrupt_nan": "eu",
-    "corrupt_norm": "v5p",
-    "kill_synchronizer": None,
+# row name -> (fault kind, target, multi-host learner)
+KINDS: dict[str, tuple[str, str | None, bool]] = {
+    "kill_host": ("kill_host", "us", False),
+    "kill_host_multi": ("kill_host", "v5p", True),
+    "kill_group": ("kill_group", "eu", False),
+    "remove_node": ("remove_node", "us", False),
+    "hang_host": ("hang_host", "us", False),
+    "straggler": ("straggler", "eu", False),
+    "cut_link": ("cut_link", REGIONS["eu"], False),
+    "slow_link": ("slow_link", REGIONS["eu"], False),
+    "corrupt_nan": ("corrupt_nan", "eu", False),
+    "corrupt_norm": ("corrupt_norm", "us", False),
+    "kill_synchronizer": ("kill_synchronizer", None, False),
 }
 QUICK = ("kill_host", "hang_host", "corrupt_nan", "kill_synchronizer")
+TIMED = {"hang_host": 5.0, "straggler": 4.0, "cut_link": 4.0, "slow_link": 4.0}
+FACTOR = {"straggler": 5.0, "slow_link": 100.0}
 
 
 def start_cluster() -> tuple[Any, TpuCluster]:
@@ -74,38 +78,38 @@ def start_cluster() -> tuple[Any, TpuCluster]:
     return cluster, tpu
 
 
-def run_kind(kind: str, repeats: int, gap_s: float, limit_s: float, tmp: Path) -> dict[str, Any]:
+def run_kind(
+    row: str, repeats: int, gap_s: float, limit_s: float, tmp: Path, replacer: NodeReplacer
+) -> dict[str, Any]:
     from ray_diloco.driver import run_training
 
-    target = KINDS[kind]
-    duration = 6.0 if kind in ("hang_host", "straggler", "cut_link", "slow_link") else 0.0
-    factor = 10.0 if kind == "slow_link" else 4.0
+    kind, target, multi_host = KINDS[row]
+    extra = {"duration_s": TIMED.get(kind, 0.0), "factor": FACTOR.get(kind, 1.0)}
     faults = [
-        {"at_s": 2.0 + i * gap_s, "kind": kind, "target": target, "duration_s": duration}
-        | ({"factor": factor} if kind in ("straggler", "slow_link") else {})
-        for i in range(repeats)
+        {"at_s": 2.0 + i * gap_s, "kind": kind, "target": target, **extra} for i in range(repeats)
     ]
-    tree = chaos_tree(10**10, faults)  # stopped below, not by the budget
-    tree.update(run_dir=str(tmp / kind))
-    tree["synchronizer"]["name"] = f"sync-recovery-{kind}"
-    cfg = build_config(tree, f"recovery benchmark {kind}")
+    tree = chaos_tree(10**10, faults, multi_host)  # stopped below, not by the budget
+    tree.update(run_dir=str(tmp / row))
+    tree["synchronizer"]["name"] = f"sync-recovery-{row.replace('_', '-')}"
+    cfg = build_config(tree, f"recovery benchmark {row}")
     deadline = time.monotonic() + limit_s
 
     def stop(status: dict[str, Any]) -> str | None:
-        faults_seen = status.get("faults", [])
-        settled = [f for f in faults_seen if f["recovered_t"] is not None]
+        replacer.replace_dead()  # a removed node comes back, as the cloud would replace it
+        settled = [f for f in status.get("faults", []) if f["recovered_t"] is not None]
         if len(settled) >= repeats:
             return "every fault recovered"
         return "time limit" if time.monotonic() > deadline else None
 
     started = time.monotonic()
     run_training(cfg, progress=lambda line: None, stop_when=stop)
+    replacer.replace_dead()
     events = read_tape(Path(cfg.run_dir) / "events.jsonl")
     outcomes = fault_outcomes(events, REGIONS)
     det = [o.detection_s for o in outcomes if o.detection_s is not None]
     rec = [o.recovery_s for o in outcomes if o.recovery_s is not None]
     return {
-        "fault": kind,
+        "fault": row,
         "injected": len(outcomes),
         "detected": len(det),
         "recovered": len(rec),
@@ -130,10 +134,10 @@ def main() -> int:
     cluster, tpu = start_cluster()
     rows = []
     try:
-        with tempfile.TemporaryDirectory() as tmp, NodeReplacer(tpu):
-            for kind in kinds:
-                rows.append(run_kind(kind, repeats, args.gap, args.limit, Path(tmp)))
-                logging.warning("%s: %s", kind, rows[-1])
+        with tempfile.TemporaryDirectory() as tmp, NodeReplacer(tpu) as replacer:
+            for row in kinds:
+                rows.append(run_kind(row, repeats, args.gap, args.limit, Path(tmp), replacer))
+                logging.warning("%s: %s", row, rows[-1])
     finally:
         import ray
 
@@ -141,13 +145,9 @@ def main() -> int:
         cluster.shutdown()
     columns = ["fault", "injected", "detected", "recovered"]
     columns += ["detection_s_median", "recovery_s_median", "run_wall_s"]
-    write_results(
-        args.out,
-        "recovery",
-        rows,
-        columns,
-        {"repeats": repeats, "gap_s": args.gap, "cpus": os.cpu_count()},
-    )
+    name = "recovery-quick" if args.quick else "recovery"
+    meta = {"repeats": repeats, "gap_s": args.gap, "quick": args.quick, "cpus": os.cpu_count()}
+    write_results(args.out, name, rows, columns, meta)
     return 0
 
 

@@ -1,9 +1,11 @@
 """Layer: actors (Ray shell). The chaos engine: carries out `control.chaos` fault actions.
 
-The supervisor's control loop calls `ChaosEngine.tick(now)` with its run clock; due actions
+The supervisor's control loop calls `ChaosEngine.tick(now, training)` with its run clock. The
+schedule's times count from the first tick at which every learner trains (or from the startup
+timeout): faults are meant for a running system, however long its boot took. Due actions
 (`control.chaos.due`) are executed on a worker thread so an injection that needs a task on a
-remote node never delays heartbeats, and each one is recorded as `FaultInjected` once it took
-effect. How each fault is made real:
+remote node never delays heartbeats, and each one is recorded as `FaultInjected` (run-clock
+time) once it took effect. How each fault is made real:
 
 - kill_host / kill_group: `ray.kill` of one (seeded pick) or every host actor of the learner;
 - remove_node: a zero-CPU task pinned (NodeAffinitySchedulingStrategy) to the node of one of
@@ -33,6 +35,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_diloco.actors.delay import DelayedCalls
+from ray_diloco.config import RunConfig
 from ray_diloco.control.chaos import FaultAction, due
 from ray_diloco.control.events import Event
 
@@ -90,11 +93,12 @@ class ChaosEngine:
         targets: Targets,
         record: Callable[[Event], None],
         clock: Callable[[], float],
-        seed: int = 0,
+        cfg: RunConfig,
     ) -> None:
         self.actions = actions
         self.targets, self.record, self.clock = targets, record, clock
-        self.seed = seed
+        self.seed, self.startup_timeout_s = cfg.chaos.seed, cfg.supervisor.startup_timeout_s
+        self.t0: float | None = None  # run-clock time the schedule's clock starts
         self._last = float("-inf")
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chaos")
         self._later = DelayedCalls("chaos-undo")
@@ -103,11 +107,17 @@ class ChaosEngine:
         self.injected = 0
         self.skipped = 0
 
-    def tick(self, now: float) -> None:
-        """Start every action due since the last tick (each exactly once)."""
-        for action in due(self.actions, self._last, now):
+    def tick(self, now: float, training: bool) -> None:
+        """Start every action due since the last tick (each exactly once); `training`: every
+        learner trains now."""
+        if self.t0 is None:
+            if not training and now < self.startup_timeout_s:
+                return
+            self.t0 = now
+            logger.info("chaos clock starts at t=%.1fs", now)
+        for action in due(self.actions, self._last, now - self.t0):
             self._pool.submit(self._inject, action)
-        self._last = now
+        self._last = now - self.t0
 
     def close(self) -> None:
         self._last = float("inf")  # nothing more becomes due

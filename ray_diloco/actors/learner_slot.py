@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -210,3 +211,34 @@ class LearnerSlot:
 
 class _Superseded(Exception):
     pass
+
+
+def make_slots(cfg: RunConfig, log_level: str, pin_region: bool) -> dict[str, LearnerSlot]:
+    """One slot per configured learner, by name; a launch may wait for its placement group
+    as long as a new incarnation may take to come up."""
+    return {
+        lg.name: LearnerSlot(
+            cfg,
+            i,
+            log_level=log_level,
+            pin_region=pin_region,
+            placement_timeout_s=cfg.supervisor.startup_timeout_s,
+        )
+        for i, lg in enumerate(cfg.learners)
+    }
+
+
+def stop_all(slots: Iterable[LearnerSlot], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Stop every learner at once (each waits for its hosts' loops); host 0's final status of
+    each learner that was still alive."""
+    finals: dict[str, dict[str, Any] | None] = {}
+
+    def stop(slot: LearnerSlot) -> None:
+        finals[slot.name] = slot.stop(timeout_s)
+
+    threads = [threading.Thread(target=stop, args=(s,), name=f"stop-{s.name}") for s in slots]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {name: st for name, st in finals.items() if st is not None}

@@ -10,8 +10,12 @@ waited for: a host that does not answer within `heartbeat_timeout_s` is hung, a 
 classified by `classify_ray_error`), (3) ticks the controller and executes its `KillLearner` /
 `StartLearner` commands (a launch runs on its own thread), and (4) lets the chaos engine inject
 what is due. A learner counts as rejoined when the synchronizer merged a contribution of its new
-incarnation. Methods return at once; the driver polls `status()`, calls `finish(reason)` at the
-end and waits for `status()["done"]`, then `shutdown()`.
+incarnation. A non-finite contribution fails its learner (`numerical`: its state may be corrupt,
+so it restarts from the published fragments); a norm-guard rejection only marks it degraded (the
+rejection protected the model and the learner adopts the next published version anyway; early in
+training honest contributions can trip the guard). Stragglers and starved learners are recorded
+by `control.degradation`, never restarted. Methods return at once; the driver polls `status()`,
+calls `finish(reason)` at the end and waits for `status()["done"]`, then `shutdown()`.
 
 The supervisor owns the run's event tape (`run_dir/events.jsonl`, one writer): its own events,
 the synchronizer's journal and the chaos engine's injections go there, with run-clock times
@@ -29,9 +33,9 @@ from typing import Any
 import ray
 
 from ray_diloco.actors.faults import ChaosEngine, HostRef
-from ray_diloco.actors.learner_slot import LearnerSlot
+from ray_diloco.actors.learner_slot import make_slots, stop_all
 from ray_diloco.actors.resources import head_pin_options
-from ray_diloco.actors.sync_watch import SyncWatch
+from ray_diloco.actors.sync_watch import SyncWatch, uptime_window_s
 from ray_diloco.config import RunConfig
 from ray_diloco.control.chaos import chaos_schedule
 from ray_diloco.control.degradation import DegradationMonitor
@@ -44,24 +48,16 @@ from ray_diloco.control.events import (
     RunStarted,
     WorkLost,
 )
-from ray_diloco.control.goodput import compute_goodput
-from ray_diloco.control.recovery import NUMERICAL_REASONS, fault_outcomes, summarize_outcomes
+from ray_diloco.control.recovery import DEGRADE_REASONS, RESTART_REASONS, tape_summary
 from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
 from ray_diloco.control.tape import EventTape
 from ray_diloco.log import setup_logging
 
 logger = logging.getLogger(__name__)
 
-CHAOS_HORIZON_S = 6 * 3600.0  # Poisson faults are drawn this far ahead (runs are shorter)
+HORIZON_S = 6 * 3600.0  # Poisson chaos faults are drawn this far ahead (runs are shorter)
 STOP_TIMEOUT_S = 60.0
-
-
-def uptime_window_s(cfg: RunConfig, sync_status: dict[str, Any] | None) -> float:
-    """Two sync periods of a fragment at the learners' mean step time (at least 1 s)."""
-    learners = (sync_status or {}).get("learners", {})
-    times = [ls["step_time_s"] for ls in learners.values() if ls.get("step_time_s")]
-    step = sum(times) / len(times) if times else 1.0
-    return max(1.0, 2 * cfg.diloco.sync_every * step)
+SYNC_START_S = 600.0  # a synchronizer's first answer: it builds data and parameters first
 
 
 def supervisor_name(cfg: RunConfig) -> str:
@@ -88,25 +84,12 @@ class Supervisor:
         self.tape.append(RunStarted(self._now(), config_digest))
         hosts = {lg.name: lg.num_hosts for lg in cfg.learners}
         self.control = Supervision(s, names, self._now(), hosts)
-        self.slots = {
-            lg.name: LearnerSlot(
-                cfg,
-                i,
-                log_level=log_level,
-                pin_region=pin_region,
-                placement_timeout_s=s.startup_timeout_s,
-            )
-            for i, lg in enumerate(cfg.learners)
-        }
+        self.slots = make_slots(cfg, log_level, pin_region)
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
-        self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now)
+        self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
         self.sync_handle = synchronizer
-        actions = chaos_schedule(
-            cfg.chaos, names, sorted(set(self.regions.values())), CHAOS_HORIZON_S
-        )
-        self.chaos = (
-            ChaosEngine(actions, self, self._record, self._now, cfg.chaos.seed) if actions else None
-        )
+        actions = chaos_schedule(cfg.chaos, names, sorted(set(self.regions.values())), HORIZON_S)
+        self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None
         self._lock = threading.Lock()
         self._snapshot: dict[str, Any] = {}
         self._finish: str | None = None
@@ -115,8 +98,8 @@ class Supervisor:
         self._stop = threading.Event()
         self._final: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
-        self._chaos_t0: float | None = None
         self._end_t: float | None = None  # when the run finished (RunFinished)
+        self._training_since: dict[str, float] = {}  # learner -> its current training spell
 
     # -- methods (all return at once) ---------------------------------------------------------
 
@@ -133,21 +116,12 @@ class Supervisor:
         """Learners (state, incarnation, restarts), faults, the synchronizer, goodput so far."""
         with self._lock:
             snap = dict(self._snapshot)
-        events = self.tape.events
         end = self._end_t if self._end_t is not None else self._now()
-        window = uptime_window_s(self.cfg, self.sync.status)
-        report = compute_goodput(events, end, window)
-        outcomes = fault_outcomes(events, self.regions)
+        window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
         return {
             **snap,
+            **tape_summary(self.tape.events, end, window, self.regions),
             "t": end,
-            "goodput": report.goodput,
-            "uptime": report.uptime,
-            "uptime_window_s": window,
-            "learner_seconds": {n: b.seconds for n, b in report.learners.items()},
-            "num_failures": report.num_failures,
-            "recovery": summarize_outcomes(outcomes),
-            "faults": [o.to_dict() for o in outcomes],
             "done": self._done.is_set(),
             "final": self._final,
         }
@@ -220,8 +194,14 @@ class Supervisor:
         self._record_all(events)
         now = self._now()
         for e in events:
-            if isinstance(e, ContributionRejected) and e.reason in NUMERICAL_REASONS:
+            if not isinstance(e, ContributionRejected):
+                continue
+            if e.reason in RESTART_REASONS:  # its state may be corrupt: start it afresh
                 self._failed(e.learner, e.incarnation, FailureKind.NUMERICAL, now, e.reason)
+            elif e.reason in DEGRADE_REASONS and e.incarnation == self.control.incarnation(
+                e.learner
+            ):
+                self._record_all(self.degradation.rejected(e.learner, e.reason, now))
         if st is not None:
             self._on_sync_status(st, now)
         for name, slot in self.slots.items():
@@ -237,20 +217,9 @@ class Supervisor:
         self._record_all(events)
         self._execute(commands, now)
         if self.chaos is not None and not self._run_over:
-            self._chaos_tick(now)
-        self._update_snapshot()
-
-    def _chaos_tick(self, now: float) -> None:
-        """Chaos times count from when every learner first trains (or the startup timeout
-        passed): faults are meant for a running system, however long the boot took."""
-        assert self.chaos is not None
-        if self._chaos_t0 is None:
             training = all(w.state is LearnerState.TRAINING for w in self.control.watches.values())
-            if training or now > self.cfg.supervisor.startup_timeout_s:
-                self._chaos_t0 = now
-                logger.info("chaos clock starts at t=%.1fs", now)
-        if self._chaos_t0 is not None:
-            self.chaos.tick(now - self._chaos_t0)
+            self.chaos.tick(now, training)
+        self._update_snapshot()
 
     def _on_reply(self, name: str, host: int, reply: dict[str, Any], now: float) -> None:
         inc, state = int(reply["incarnation"]), str(reply["state"])
@@ -265,7 +234,12 @@ class Supervisor:
                 self._failed(name, inc, FailureKind.CRASH, now, f"stopped: {reason}")
         else:
             reported = LearnerState(state) if host == 0 else None
-            self._record_all(self.control.heartbeat(name, inc, now, host, reported))
+            changes = self.control.heartbeat(name, inc, now, host, reported)
+            self._record_all(changes)
+            if self.control.watches[name].state is not LearnerState.TRAINING:
+                self._training_since.pop(name, None)
+            elif changes:
+                self._training_since[name] = now
             if host == 0 and self.control.watches[name].state is LearnerState.TRAINING:
                 self._record_all(self.degradation.steps(name, int(reply.get("step", 0)), now))
 
@@ -299,15 +273,18 @@ class Supervisor:
         self._execute(commands, now)
 
     def _work_lost(self, name: str, now: float) -> list[Event]:
-        """Steps of host 0 since the learner's last merged contribution: a restart adopts the
-        global fragments, so that local progress is thrown away."""
+        """What a restart throws away: the training since the learner's last merged
+        contribution (it adopts the global fragments), counted in host 0's steps and in
+        seconds of training of this incarnation."""
         st, info = self.sync.status or {}, self.slots[name].info.get(0)
-        if not info:
+        since = self._training_since.get(name)
+        if not info or since is None:
             return []
         merged_step = int(st.get("merged_steps", {}).get(name, 0))
         steps = max(0, int(info.get("step", 0)) - merged_step)
-        step_time = (st.get("learners", {}).get(name) or {}).get("step_time_s") or 0.0
-        return [WorkLost(now, name, steps, steps * float(step_time))] if steps else []
+        last_merge = self.degradation.tracks[name].last_merged_s
+        seconds = now - max(since, last_merge if last_merge is not None else since)
+        return [WorkLost(now, name, steps, seconds)] if steps else []
 
     def _execute(self, commands: list[Command], now: float) -> None:
         for c in commands:
@@ -345,26 +322,14 @@ class Supervisor:
         logger.info("supervisor winding down: %s", reason)
         if self.chaos is not None:
             self.chaos.close()
-        finals: dict[str, Any] = {}
-
-        def stop(name: str, slot: LearnerSlot) -> None:
-            finals[name] = slot.stop(STOP_TIMEOUT_S)
-
-        threads = [
-            threading.Thread(target=stop, args=item, name=f"stop-{item[0]}")
-            for item in self.slots.items()
-        ]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        finals = stop_all(self.slots.values(), STOP_TIMEOUT_S)
         now = self._now()
         for name in self.slots:
             self._record_all(self.control.finished(name, now, reason))
         self._update_snapshot()
         tokens = int((self.sync.status or {}).get("tokens", 0))
         self.tape.append(RunFinished(now, tokens, reason))
-        self._final = {n: s for n, s in finals.items() if s is not None}
+        self._final = finals
         self._end_t = now
         self._done.set()
 

@@ -30,9 +30,26 @@ from ray_diloco.control.events import (
 logger = logging.getLogger(__name__)
 
 
+def uptime_window_s(sync_every: int, sync_status: dict[str, Any] | None) -> float:
+    """Two sync periods of a fragment (`sync_every` steps) at the learners' mean step time
+    from the synchronizer's status (at least 1 s): the window uptime is measured in."""
+    learners = (sync_status or {}).get("learners", {})
+    times = [ls["step_time_s"] for ls in learners.values() if ls.get("step_time_s")]
+    step = sum(times) / len(times) if times else 1.0
+    return max(1.0, 2 * sync_every * step)
+
+
 class SyncWatch:
-    def __init__(self, handle: Any, t0: float, timeout_s: float, clock: Callable[[], float]):
+    def __init__(
+        self,
+        handle: Any,
+        t0: float,
+        timeout_s: float,
+        clock: Callable[[], float],
+        startup_timeout_s: float = 600.0,
+    ) -> None:
         self.handle, self.t0, self.timeout_s, self.clock = handle, t0, timeout_s, clock
+        self.startup_timeout_s = startup_timeout_s
         self.status: dict[str, Any] | None = None  # the latest answer
         self.last_ok: float = clock()
         self.lost = False
@@ -71,7 +88,9 @@ class SyncWatch:
 
     def _silence(self, now: float, force: bool = False, detail: str = "") -> list[Event]:
         silent = now - self.last_ok
-        if self.lost or not (force or silent > self.timeout_s):
+        # Before its first answer the synchronizer is still building (data, parameters).
+        timeout = self.timeout_s if self.status is not None else self.startup_timeout_s
+        if self.lost or not (force or silent > timeout):
             return []
         self.lost = True
         logger.warning("synchronizer unanswered for %.1fs", silent)

@@ -14,9 +14,10 @@ delta into arrays in this process right away; the synchronizer never keeps a ref
 learner-owned object. Everything it keeps or sends (published fragments via `ray.put`) is owned
 by the synchronizer, so a learner's death can never take a global fragment with it.
 
-State is checkpointed with Orbax every `checkpoint_every_rounds` rounds and on `shutdown()`, and
-restored in `__init__` when a checkpoint of the same state digest exists (after a restart, or
-when a run dir of an interrupted run is resumed).
+State is checkpointed with Orbax every `checkpoint_every_rounds` rounds (on a thread of its own,
+so rounds keep closing) and on `shutdown()`, and restored in `__init__` when a checkpoint of the
+same state digest exists (after a restart, or when a run dir of an interrupted run is resumed).
+Versions published since are numbered past on restore (`version_mark.py`): they never go back.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Synchronizer:
         self.registered: dict[str, dict[str, Any]] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
         self._saved_rounds = self.rounds()
+        self._ckpt_thread: threading.Thread | None = None
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
@@ -220,6 +222,22 @@ class Synchronizer:
         """Write a checkpoint now unless the newest one already holds this state."""
         return self._checkpoint()
 
+    def _checkpoint_in_background(self) -> None:
+        """A periodic checkpoint on its own thread: writing it takes seconds on a busy host,
+        and rounds must keep closing meanwhile (the global model never stops advancing)."""
+        if self._ckpt_thread is not None and self._ckpt_thread.is_alive():
+            return
+        self._ckpt_thread = threading.Thread(
+            target=self._checkpoint_logged, name="checkpoint", daemon=True
+        )
+        self._ckpt_thread.start()
+
+    def _checkpoint_logged(self) -> None:
+        try:
+            self._checkpoint()
+        except Exception:
+            logger.exception("synchronizer checkpoint failed")
+
     def _checkpoint(self) -> str | None:
         if self.checkpointer is None:
             return None
@@ -248,7 +266,7 @@ class Synchronizer:
                 self._close_rounds()
                 rounds = self.rounds()
                 if rounds - self._saved_rounds >= self.cfg.synchronizer.checkpoint_every_rounds:
-                    self._checkpoint()
+                    self._checkpoint_in_background()
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
                 if due and rounds != last_eval_rounds:  # nothing to evaluate when idle
                     self._evaluate()

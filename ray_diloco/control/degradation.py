@@ -12,6 +12,10 @@ seeing on the event tape: `DegradationMonitor` turns two observations into `Lear
   keeps a v6e learner that is simply slower than a v5p one from being called a straggler.
 - `no_contributions`: the learner trains (its steps advance) but none of its contributions was
   merged for `starve_s`; it recovers when one is merged again.
+- `norm_outlier` (or any other rejection reason the caller passes to `rejected`): the
+  synchronizer's norm guard refused a contribution. The model is protected by the rejection and
+  the learner heals itself by adopting the next published version of that fragment, so it is
+  not restarted; it recovers when a contribution of it is merged again.
 
 The caller resets a learner when a new incarnation starts (its compile phase is no baseline).
 """
@@ -25,7 +29,7 @@ from ray_diloco.control.events import Event, LearnerDegraded, LearnerRecovered
 
 log = logging.getLogger(__name__)
 
-SLOW, STARVED = "slow_steps", "no_contributions"
+SLOW, STARVED, OUTLIER = "slow_steps", "no_contributions", "norm_outlier"
 
 
 @dataclass
@@ -120,10 +124,19 @@ class DegradationMonitor:
         if tr.last_merged_s is None or contributions > tr.last_merged:
             first = tr.last_merged_s is None
             tr.last_merged, tr.last_merged_s = contributions, now
-            if not first and STARVED in tr.degraded:
-                since = tr.degraded.pop(STARVED)
-                return [LearnerRecovered(now, learner, STARVED, now - since)]
+            if not first:  # its work counts again: every cause but slowness is over
+                over = sorted(c for c in tr.degraded if c != SLOW)
+                return [LearnerRecovered(now, learner, c, now - tr.degraded.pop(c)) for c in over]
         return []
+
+    def rejected(self, learner: str, reason: str, now: float) -> list[Event]:
+        """The synchronizer refused a contribution of the learner for `reason`."""
+        tr = self.tracks[learner]
+        if reason in tr.degraded:
+            return []
+        tr.degraded[reason] = now
+        log.info("learner %s: contribution rejected (%s)", learner, reason)
+        return [LearnerDegraded(now, learner, reason, "contribution rejected")]
 
     def check_starved(self, learner: str, now: float) -> list[Event]:
         """Call while the learner trains: degraded once nothing of it was merged for

@@ -9,9 +9,10 @@ fault                             detected by                     recovered by
 ================================  ==============================  ============================
 kill_host, kill_group,            FailureDetected of the target   LearnerRejoined of the target
 remove_node, hang_host                                            (it contributes again)
-corrupt_nan, corrupt_norm         ContributionRejected (non_finite LearnerRejoined of the target
-                                  / norm_outlier) or
-                                  FailureDetected of the target
+corrupt_nan                       ContributionRejected(non_finite) LearnerRejoined of the target
+                                  or FailureDetected of the target (it is restarted)
+corrupt_norm                      ContributionRejected or          LearnerRecovered(norm_outlier)
+                                  LearnerDegraded (norm_outlier)   (merged again; no restart)
 straggler                         LearnerDegraded(slow_steps)     LearnerRecovered(slow_steps)
 cut_link, slow_link (a region)    LearnerDegraded(no_contri-      LearnerRecovered of that
                                   butions) of a learner there     learner
@@ -45,9 +46,11 @@ from ray_diloco.control.events import (
 )
 
 LETHAL = frozenset({"kill_host", "kill_group", "remove_node", "hang_host"})
-CORRUPT = frozenset({"corrupt_nan", "corrupt_norm"})
 LINK = frozenset({"cut_link", "slow_link"})
-NUMERICAL_REASONS = frozenset({"non_finite", "norm_outlier"})
+# Rejections that make the supervisor restart the learner (its state may be corrupt) and
+# those it only records (the rejection protected the model; the learner heals itself).
+RESTART_REASONS = frozenset({"non_finite"})
+DEGRADE_REASONS = frozenset({"norm_outlier"})
 
 
 @dataclass(frozen=True)
@@ -101,20 +104,33 @@ def _outcome(
     learner: str | None = target
     detect: Match
     recover: Callable[[str | None], Match]
-    if kind in LETHAL | CORRUPT:
+    if kind in LETHAL or kind == "corrupt_nan":
 
         def detect(e: Event) -> bool:
             if isinstance(e, FailureDetected):
                 return e.learner == target
             return (
-                kind in CORRUPT
+                kind == "corrupt_nan"
                 and isinstance(e, ContributionRejected)
                 and e.learner == target
-                and e.reason in NUMERICAL_REASONS
+                and e.reason in RESTART_REASONS
             )
 
         def recover(who: str | None) -> Match:
             return lambda e: isinstance(e, LearnerRejoined) and e.learner == who
+
+    elif kind == "corrupt_norm":
+
+        def detect(e: Event) -> bool:
+            if isinstance(e, ContributionRejected | LearnerDegraded):
+                reason = e.reason if isinstance(e, ContributionRejected) else e.cause
+                return e.learner == target and reason in DEGRADE_REASONS
+            return False
+
+        def recover(who: str | None) -> Match:
+            return lambda e: (
+                isinstance(e, LearnerRecovered) and e.learner == who and e.cause in DEGRADE_REASONS
+            )
 
     elif kind == "straggler" or kind in LINK:
         cause = "slow_steps" if kind == "straggler" else "no_contributions"
@@ -144,9 +160,10 @@ def _outcome(
         return FaultOutcome(kind, target, fault.t, learner, None, None)
     if kind in LINK | {"straggler"}:
         learner = getattr(evs[d], "learner", learner)
-    if kind in CORRUPT and isinstance(evs[d], ContributionRejected):
-        # The supervisor's FailureDetected follows the rejection: it belongs to this fault too.
-        _find(evs, d + 1, used, lambda e: isinstance(e, FailureDetected) and e.learner == target)
+    if isinstance(evs[d], ContributionRejected):
+        # The supervisor's reaction to the rejection belongs to this fault too.
+        follow = FailureDetected if kind == "corrupt_nan" else LearnerDegraded
+        _find(evs, d + 1, used, lambda e: isinstance(e, follow) and e.learner == target)
     r = _find(evs, d + 1, used, recover(learner))
     if r is not None and kind == "kill_synchronizer":
         # Recovered when the global model advances again, not when the process is back.
@@ -171,3 +188,24 @@ def summarize_outcomes(outcomes: Iterable[FaultOutcome]) -> dict[str, dict[str, 
             "recovery_s_median": statistics.median(rec) if rec else None,
         }
     return out
+
+
+def tape_summary(
+    events: Iterable[Event], end_t: float, uptime_window_s: float, regions: Mapping[str, str]
+) -> dict[str, Any]:
+    """Everything a status or summary reports from the tape: goodput and uptime (goodput.py),
+    seconds per state of every learner, failures, and each injected fault's outcome."""
+    from ray_diloco.control.goodput import compute_goodput
+
+    evs = list(events)
+    report = compute_goodput(evs, end_t, uptime_window_s)
+    outcomes = fault_outcomes(evs, regions)
+    return {
+        "goodput": report.goodput,
+        "uptime": report.uptime,
+        "uptime_window_s": uptime_window_s,
+        "learner_seconds": {n: b.seconds for n, b in report.learners.items()},
+        "num_failures": report.num_failures,
+        "recovery": summarize_outcomes(outcomes),
+        "faults": [o.to_dict() for o in outcomes],
+    }

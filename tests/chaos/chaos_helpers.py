@@ -2,33 +2,52 @@
 the checks every fault kind must pass (issue 4).
 
 The run: the tiny model on synthetic data, decoupled with K = 1, two learners in two regions
-of the emulated cluster: `v5p` on the v5p slice (two hosts, one jax.distributed job, us-east5)
-and `eu`, a one-host CPU learner on a europe-west4 host behind an emulated WAN link. Learners
-run at a fifth of their compute speed (sleeping the rest), so four JAX processes leave CPU for
-the restarts on two cores. Chaos times count from the moment every learner trains.
+of the emulated cluster: `us`, a one-host CPU learner on a us-east5 host, and `eu`, one on a
+europe-west4 host behind an emulated WAN link. With `multi_host=True` the `us` learner is `v5p`
+instead: the whole v5p slice (two hosts, one jax.distributed job). Learners run at a fifth of
+their compute speed (sleeping the rest), so the restarts get CPU on two cores. Chaos times
+count from the moment every learner trains.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ray_diloco.config import RunConfig, build_config
-from ray_diloco.control.events import Event, FaultInjected, RoundClosed, RunFinished
+from ray_diloco.control.events import Event, FaultInjected, RoundClosed
 from ray_diloco.control.goodput import uptime
 from ray_diloco.control.recovery import FaultOutcome, fault_outcomes
 from ray_diloco.control.tape import read_tape
 
-REGIONS = {"v5p": "us-east5", "eu": "europe-west4"}
-# |held-out loss - fault-free reference run (same seed)|: the Ray runs are not step-for-step
-# deterministic (wall-clock arrival order) and a fault costs a learner some rounds.
-LOSS_TOLERANCE = 0.35
+REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
+# Held-out loss may exceed the fault-free reference run's (same config and seed) by this much:
+# Ray runs are not step-for-step deterministic (wall-clock arrival order) and a fault costs a
+# learner some rounds.
+LOSS_TOLERANCE = 0.3
 
 
-def chaos_tree(budget: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
+def chaos_tree(
+    budget: int, faults: list[dict[str, Any]], multi_host: bool = False
+) -> dict[str, Any]:
+    # Slightly different speeds and some jitter, as real learners: their offers of a fragment
+    # then rarely arrive together, in the reference run as on Ray.
+    us: dict[str, Any] = {"name": "us", "region": REGIONS["us"], "batch_size": 8, "speed": 0.2}
+    eu: dict[str, Any] = {"name": "eu", "region": REGIONS["eu"], "batch_size": 8, "speed": 0.18}
+    for lg in (us, eu):
+        lg["jitter"] = 0.1
+    if multi_host:  # its SPMD steps are slow enough on 2 cores: no emulated slowdown
+        us |= {
+            "name": "v5p",
+            "accelerator": "tpu-v5p",
+            "topology": "2x2x2",
+            "num_hosts": 2,
+            "speed": 1.0,
+        }
     return {
         "name": "chaos",
         "seed": 0,
@@ -41,22 +60,10 @@ def chaos_tree(budget: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
             "num_fragments": 2,
             "overlap_steps": 1,
             "quorum_min": 1,
-            "norm_guard_warmup_rounds": 3,
         },
-        "learners": [
-            {
-                "name": "v5p",
-                "accelerator": "tpu-v5p",
-                "topology": "2x2x2",
-                "num_hosts": 2,
-                "region": REGIONS["v5p"],
-                "batch_size": 8,
-                "speed": 0.2,
-            },
-            {"name": "eu", "region": REGIONS["eu"], "batch_size": 8, "speed": 0.2},
-        ],
+        "learners": [us, eu],
         "links": {REGIONS["eu"]: {"bandwidth_gbps": 0.05, "latency_ms": 20}},
-        "synchronizer": {"checkpoint_every_rounds": 10, "heartbeat_timeout_s": 5},
+        "synchronizer": {"checkpoint_every_rounds": 30, "heartbeat_timeout_s": 5},
         "supervisor": {"heartbeat_timeout_s": 2.0, "restart_backoff_s": 0.2},
         "chaos": {"enabled": bool(faults), "seed": 0, "schedule": faults},
         "checkpoint": {"keep": 2},
@@ -65,9 +72,9 @@ def chaos_tree(budget: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def chaos_config(
-    tmp_path: Path, name: str, budget: int, faults: list[dict[str, Any]]
+    tmp_path: Path, name: str, budget: int, faults: list[dict[str, Any]], multi_host: bool = False
 ) -> RunConfig:
-    tree = chaos_tree(budget, faults)
+    tree = chaos_tree(budget, faults, multi_host)
     tree.update(run_dir=str(tmp_path / name))
     tree["synchronizer"]["name"] = f"sync-{name}"
     return build_config(tree, f"chaos test {name}")
@@ -97,11 +104,11 @@ def run_chaos(cfg: RunConfig) -> ChaosRun:
 
 
 def training_uptime(run: ChaosRun) -> float:
-    """Uptime from the first closed round to the end of the run, in the summary's windows:
-    the start (processes booting, compiling) is not a failure to advance."""
+    """Uptime from the first to the last closed round, in the summary's windows: the start
+    (processes booting, compiling) is not a failure to advance, nor is the end (no round closes
+    once the budget is spent)."""
     rounds = [e.t for e in run.events if isinstance(e, RoundClosed)]
-    end = max(e.t for e in run.events if isinstance(e, RunFinished | RoundClosed))
-    return uptime(rounds, rounds[0], end, run.summary["uptime_window_s"])
+    return uptime(rounds, rounds[0], rounds[-1], run.summary["uptime_window_s"])
 
 
 def check_run(
@@ -110,59 +117,68 @@ def check_run(
     *,
     rejections: set[str] = frozenset(),  # type: ignore[assignment]
     full_uptime: bool = True,
+    settle_s: float = 0.0,
 ) -> None:
-    """What every chaos run must show (issue 4)."""
+    """What every chaos run must show (issue 4). A fault injected less than `settle_s` before
+    the run ended need not have recovered yet (the storm's last ones)."""
     s = run.summary
     assert s["tokens"] >= run.cfg.token_budget, s["stop_reason"]
     assert s["stop_reason"] == "token budget reached"
     # the fault, its detection and its recovery, in that order on the tape
     injected = [e for e in run.events if isinstance(e, FaultInjected)]
     assert injected, "no fault was injected"
+    end = max(e.t for e in run.events)
     for o in run.outcomes:
+        if o.recovered_t is None and o.t > end - settle_s:
+            continue
         assert o.detected_t is not None, f"{o.fault} never detected: {o}"
         assert o.recovered_t is not None, f"{o.fault} never recovered: {o}"
         assert o.t <= o.detected_t <= o.recovered_t
     if full_uptime:
-        assert training_uptime(run) == 1.0
+        assert training_uptime(run) == pytest.approx(1.0)
     # nothing non-finite or fenced was merged: the global model is finite, rejections are the
     # expected kinds only, and the ledger neither lost nor double-counted tokens
     assert s["heldout_loss"] == s["heldout_loss"] and abs(s["heldout_loss"]) < 1e3
-    assert set(s["rejected"]) <= set(rejections) | {"stale_version", "empty"}, s["rejected"]
+    # Stale deltas (a lost version, a late arrival) are fenced, and the norm guard may refuse an
+    # honest but large one (a learner's first after a restart): both are protective. A NaN is
+    # refused only where a test injects one.
+    allowed = {"stale_version", "empty", "norm_outlier"}
+    assert set(s["rejected"]) <= set(rejections) | allowed, s["rejected"]
     assert s["ledger_violations"] == []
     for name, acct in s["learners"].items():
         assert acct["tokens"] == acct["final_cursor"], (name, acct)
     assert s["tokens"] == sum(a["tokens"] for a in s["learners"].values())
-    assert abs(s["heldout_loss"] - reference_loss) <= LOSS_TOLERANCE, (
-        s["heldout_loss"],
-        reference_loss,
-    )
+    # Quality: no worse than the fault-free reference run. (Faulted runs often end lower: a
+    # restarted learner restarts from the global model with fresh optimizer moments.)
+    assert s["heldout_loss"] <= reference_loss + LOSS_TOLERANCE, (s["heldout_loss"], reference_loss)
 
 
 class NodeReplacer:
-    """Emulates the cloud replacing a lost TPU host: once a host node of the cluster is dead,
-    remove it from the `Cluster` and add a host with the same slice identity."""
+    """Emulates the cloud replacing lost TPU hosts: every host node of the cluster that died is
+    removed from the `Cluster` and a host with the same slice identity added, on exit or when
+    `replace_dead()` is called. (`Cluster.add_node` must run on the main thread: it installs
+    signal handlers.)"""
 
     def __init__(self, tpu_cluster: Any) -> None:
         self.tpu = tpu_cluster
         self.replaced: list[tuple[str, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="node-replacer", daemon=True)
 
     def __enter__(self) -> NodeReplacer:
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
+        deadline = time.monotonic() + 10.0  # the GCS declares a dead node in ~1.5 s here
+        while not self.replace_dead() and exc[0] is None and time.monotonic() < deadline:
+            time.sleep(0.5)
 
-    def _run(self) -> None:
+    def replace_dead(self) -> int:
+        """Replace the host nodes the GCS reports dead now; returns how many."""
         import ray
 
-        while not self._stop.wait(0.5):
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            for key, node in list(self.tpu.hosts.items()):
-                if node.node_id not in alive:
-                    self.tpu.cluster.remove_node(node, allow_graceful=False)
-                    self.tpu.add_slice_host(*key)
-                    self.replaced.append(key)
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        dead = [k for k, node in self.tpu.hosts.items() if node.node_id not in alive]
+        for key in dead:
+            self.tpu.cluster.remove_node(self.tpu.hosts[key], allow_graceful=False)
+            self.tpu.add_slice_host(*key)
+            self.replaced.append(key)
+        return len(dead)

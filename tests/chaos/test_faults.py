@@ -4,13 +4,14 @@ Each test trains the tiny model to its token budget with K = 1 while the chaos e
 one fault, and checks (`chaos_helpers.check_run`): the budget is reached; the global model
 advances throughout (uptime 1.0 from the first round on, one learner always lives); the fault,
 its detection and the recovery appear on the event tape in that order; nothing non-finite or
-fenced was merged; the ledger neither lost nor double-counted tokens; the held-out loss is
-within `LOSS_TOLERANCE` of the fault-free reference run with the same seed.
+fenced was merged; the ledger neither lost nor double-counted tokens; the held-out loss is no
+worse than the fault-free reference run with the same seed plus `LOSS_TOLERANCE`.
 """
 
 from __future__ import annotations
 
-import functools
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,32 +38,54 @@ from tests.cluster_helpers import TpuCluster
 
 pytestmark = pytest.mark.chaos
 
-BUDGET = 60_000  # tokens: about 15 s of training at a fifth of the compute speed, 2 learners
+BUDGET = 80_000  # tokens: about 12 s of training at a fifth of the compute speed, 2 learners
 EU = REGIONS["eu"]
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "chaos_reference.json"
+Reference = Callable[..., float]
 
 
-@functools.lru_cache(maxsize=4)
-def reference_loss(budget: int) -> float:
-    """Held-out loss of the fault-free in-process reference run (same config and seed)."""
-    from ray_diloco.algorithm.simulate import run_reference
+@pytest.fixture(scope="module")
+def reference_loss(request: pytest.FixtureRequest) -> Callable[..., float]:
+    """Held-out loss of the fault-free in-process reference run with the same config and seed,
+    from tests/fixtures/chaos_reference.json (`pytest --regenerate-golden` recomputes it)."""
+    regenerate = bool(request.config.getoption("--regenerate-golden"))
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
-    return float(run_reference(build_config(chaos_tree(budget, [])))["heldout_loss"])
+    def loss(budget: int, multi_host: bool = False) -> float:
+        key = f"{budget}/{'multi' if multi_host else 'single'}_host"
+        if regenerate or key not in golden:
+            from ray_diloco.algorithm.simulate import run_reference
+
+            cfg = build_config(chaos_tree(budget, [], multi_host))
+            golden[key] = float(run_reference(cfg)["heldout_loss"])
+            if regenerate:
+                GOLDEN.write_text(json.dumps(golden, indent=2, sort_keys=True) + "\n")
+        return float(golden[key])
+
+    return loss
 
 
-def run_one(tmp_path: Path, name: str, fault: dict[str, Any], budget: int = BUDGET) -> ChaosRun:
-    return run_chaos(chaos_config(tmp_path, name, budget, [{"at_s": 2.0, **fault}]))
+def run_one(
+    tmp_path: Path, name: str, fault: dict[str, Any], budget: int = BUDGET, multi_host: bool = False
+) -> ChaosRun:
+    faults = [{"at_s": 2.0, **fault}]
+    return run_chaos(chaos_config(tmp_path, name, budget, faults, multi_host))
 
 
 def failures(run: ChaosRun, learner: str) -> list[FailureDetected]:
     return [e for e in run.events if isinstance(e, FailureDetected) and e.learner == learner]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_kill_host_restarts_the_whole_multi_host_learner(
-    tpu_cluster: TpuCluster, tmp_path: Path
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
-    run = run_one(tmp_path, "kill-host", {"kind": "kill_host", "target": "v5p"})
-    check_run(run, reference_loss(BUDGET))
+    # The v5p learner spans both hosts of the slice (one jax.distributed job): killing one host
+    # fences and restarts the whole group, which must rejoin while `eu` alone keeps training.
+    fault = {"kind": "kill_host", "target": "v5p"}
+    budget = 2 * BUDGET  # the whole group restarts: one jax.distributed job, compiled anew
+    run = run_one(tmp_path, "kill-host", fault, budget=budget, multi_host=True)
+    check_run(run, reference_loss(budget, multi_host=True))
     (failure,) = failures(run, "v5p")
     assert failure.failure is FailureKind.CRASH
     (restart,) = [e for e in run.events if isinstance(e, LearnerRestarted)]
@@ -71,39 +94,48 @@ def test_kill_host_restarts_the_whole_multi_host_learner(
 
 
 @pytest.mark.timeout(240)
-def test_kill_group(tpu_cluster: TpuCluster, tmp_path: Path) -> None:
+def test_kill_group(tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference) -> None:
     run = run_one(tmp_path, "kill-group", {"kind": "kill_group", "target": "eu"})
     check_run(run, reference_loss(BUDGET))
     assert [f.failure for f in failures(run, "eu")] == [FailureKind.CRASH]
 
 
 @pytest.mark.timeout(240)
-def test_remove_node_rebuilds_the_group_on_the_replacement_host(
-    tpu_cluster: TpuCluster, tmp_path: Path
+def test_remove_node_rebuilds_the_group_elsewhere(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
+    # The raylet of `us`'s node dies; the group is rebuilt on the other us-east5 host while
+    # the node replacer brings a host with the same slice identity back for later tests.
     with NodeReplacer(tpu_cluster) as replacer:
-        run = run_one(tmp_path, "remove-node", {"kind": "remove_node", "target": "v5p"})
+        run = run_one(tmp_path, "remove-node", {"kind": "remove_node", "target": "us"})
     check_run(run, reference_loss(BUDGET))
     assert len(replacer.replaced) == 1 and replacer.replaced[0][0] == "v5p"
-    (failure,) = failures(run, "v5p")
+    (failure,) = failures(run, "us")
     assert failure.failure in (FailureKind.NODE_LOST, FailureKind.HANG)
 
 
 @pytest.mark.timeout(240)
-def test_hang_host_is_detected_by_heartbeat_timeout(tpu_cluster: TpuCluster, tmp_path: Path) -> None:
-    run = run_one(tmp_path, "hang-host", {"kind": "hang_host", "target": "v5p", "duration_s": 6})
+def test_hang_host_is_detected_by_heartbeat_timeout(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
+) -> None:
+    fault = {"kind": "hang_host", "target": "us", "duration_s": 5}
+    run = run_one(tmp_path, "hang-host", fault)
     check_run(run, reference_loss(BUDGET))
-    (failure,) = failures(run, "v5p")
+    (failure,) = failures(run, "us")
     assert failure.failure is FailureKind.HANG
-    assert run.outcome("hang_host").detection_s <= 2.0 + 1.5  # timeout + poll + signal task
+    # heartbeat timeout (2 s) + one poll + the signal task's return
+    detection = run.outcome("hang_host").detection_s
+    assert detection is not None and detection <= 3.5
 
 
 @pytest.mark.timeout(240)
-def test_straggler(tpu_cluster: TpuCluster, tmp_path: Path) -> None:
-    fault = {"kind": "straggler", "target": "eu", "duration_s": 6, "factor": 5}
+def test_straggler_is_seen_but_never_restarted(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
+) -> None:
+    fault = {"kind": "straggler", "target": "eu", "duration_s": 4, "factor": 5}
     run = run_one(tmp_path, "straggler", fault)
     check_run(run, reference_loss(BUDGET))
-    assert failures(run, "eu") == []  # slow is not dead: never restarted
+    assert failures(run, "eu") == []
 
 
 @pytest.mark.timeout(240)
@@ -111,9 +143,9 @@ def test_straggler(tpu_cluster: TpuCluster, tmp_path: Path) -> None:
     ("kind", "factor"), [("cut_link", 1.0), ("slow_link", 100.0)], ids=["cut", "slow"]
 )
 def test_link_faults_starve_the_region_then_recover(
-    tpu_cluster: TpuCluster, tmp_path: Path, kind: str, factor: float
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference, kind: str, factor: float
 ) -> None:
-    fault = {"kind": kind, "target": EU, "duration_s": 6, "factor": factor}
+    fault = {"kind": kind, "target": EU, "duration_s": 4, "factor": factor}
     run = run_one(tmp_path, kind, fault)
     check_run(run, reference_loss(BUDGET))
     assert run.outcome(kind).learner == "eu"
@@ -121,31 +153,38 @@ def test_link_faults_starve_the_region_then_recover(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("kind", "target", "reason"),
-    [("corrupt_nan", "eu", "non_finite"), ("corrupt_norm", "v5p", "norm_outlier")],
-    ids=["nan", "norm"],
-)
-def test_corrupt_contribution_is_rejected_and_the_learner_restarted(
-    tpu_cluster: TpuCluster, tmp_path: Path, kind: str, target: str, reason: str
+def test_nan_contribution_is_rejected_and_the_learner_restarted(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
-    run = run_one(tmp_path, kind, {"kind": kind, "target": target})
-    check_run(run, reference_loss(BUDGET), rejections={reason})
-    assert run.summary["rejected"][reason] == 1
-    assert [f.failure for f in failures(run, target)] == [FailureKind.NUMERICAL]
+    run = run_one(tmp_path, "corrupt-nan", {"kind": "corrupt_nan", "target": "eu"})
+    check_run(run, reference_loss(BUDGET), rejections={"non_finite"})
+    assert run.summary["rejected"]["non_finite"] == 1
+    assert [f.failure for f in failures(run, "eu")] == [FailureKind.NUMERICAL]
 
 
 @pytest.mark.timeout(240)
-def test_kill_synchronizer_restores_from_its_checkpoint(
-    tpu_cluster: TpuCluster, tmp_path: Path
+def test_huge_contribution_is_rejected_by_the_norm_guard(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
-    run = run_one(tmp_path, "kill-sync", {"kind": "kill_synchronizer"})
+    run = run_one(tmp_path, "corrupt-norm", {"kind": "corrupt_norm", "target": "us"})
+    check_run(run, reference_loss(BUDGET))
+    assert run.summary["rejected"]["norm_outlier"] >= 1
+    assert failures(run, "us") == []  # the guard protected the model: no restart needed
+
+
+@pytest.mark.timeout(300)
+def test_kill_synchronizer_restores_from_its_checkpoint(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
+) -> None:
+    budget = 3 * BUDGET // 2  # time to advance again after the restore
+    run = run_one(tmp_path, "kill-sync", {"kind": "kill_synchronizer"}, budget=budget)
     # Without its synchronizer the global model cannot advance: no full uptime here.
-    check_run(run, reference_loss(BUDGET), full_uptime=False)
+    check_run(run, reference_loss(budget), full_uptime=False)
     (restored,) = [e for e in run.events if isinstance(e, SynchronizerRestored)]
     assert 0 <= restored.rounds_lost <= run.cfg.synchronizer.checkpoint_every_rounds
     _assert_versions_never_go_backwards(run)
-    assert failures(run, "v5p") == [] and failures(run, "eu") == []  # learners kept training
+    assert failures(run, "us") == [] and failures(run, "eu") == []  # learners kept training
+    assert run.summary["synchronizer_restores"] == 1
 
 
 def _assert_versions_never_go_backwards(run: ChaosRun) -> None:
@@ -156,30 +195,35 @@ def _assert_versions_never_go_backwards(run: ChaosRun) -> None:
             last[e.fragment] = e.version
 
 
-STORM = [
-    {"at_s": 2, "kind": "kill_host", "target": "v5p"},
-    {"at_s": 4, "kind": "straggler", "target": "eu", "duration_s": 8, "factor": 4},
+STORM = [  # several kinds at once, on both learners and the synchronizer
+    {"at_s": 1, "kind": "kill_host", "target": "us"},
+    {"at_s": 1.5, "kind": "straggler", "target": "eu", "duration_s": 4, "factor": 4},
+    {"at_s": 4, "kind": "cut_link", "target": EU, "duration_s": 3},
     {"at_s": 9, "kind": "corrupt_nan", "target": "eu"},
-    {"at_s": 15, "kind": "cut_link", "target": EU, "duration_s": 5},
-    {"at_s": 22, "kind": "hang_host", "target": "v5p", "duration_s": 5},
-    {"at_s": 34, "kind": "corrupt_norm", "target": "v5p"},
-    {"at_s": 40, "kind": "kill_synchronizer"},
-    {"at_s": 50, "kind": "kill_group", "target": "eu"},
-    {"at_s": 56, "kind": "remove_node", "target": "v5p"},
+    {"at_s": 10, "kind": "hang_host", "target": "us", "duration_s": 4},
+    {"at_s": 12, "kind": "kill_synchronizer"},
+    {"at_s": 20, "kind": "corrupt_norm", "target": "eu"},
+    {"at_s": 22, "kind": "kill_group", "target": "eu"},
+    {"at_s": 24, "kind": "remove_node", "target": "us"},
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_storm_of_mixed_faults(tpu_cluster: TpuCluster, tmp_path: Path) -> None:
-    budget = 5 * BUDGET
+def test_storm_of_mixed_faults(
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
+) -> None:
+    budget = 4 * BUDGET
     with NodeReplacer(tpu_cluster):
         run = run_chaos(chaos_config(tmp_path, "storm", budget, STORM))
     check_run(
         run,
         reference_loss(budget),
-        rejections={"non_finite", "norm_outlier"},
-        full_uptime=False,
+        rejections={"non_finite"},
+        full_uptime=False,  # the synchronizer is down for a while
+        settle_s=10.0,
     )
-    assert [o.fault for o in run.outcomes] == [f["kind"] for f in STORM]
+    # A fault due while its learner is down (restarting) is skipped, not injected.
+    injected = [o.fault for o in run.outcomes]
+    assert len(injected) >= 6 and {"kill_synchronizer", "kill_host"} <= set(injected), injected
     _assert_versions_never_go_backwards(run)

@@ -67,3 +67,14 @@ def test_a_ledger_rolled_back_by_a_synchronizer_restore_is_no_progress():
     assert mon.merged("a", 7, now=5.0) == []  # restored from a checkpoint: not a merge
     (back,) = mon.merged("a", 8, now=5.5)
     assert isinstance(back, LearnerRecovered) and back.t == 5.5
+
+
+def test_a_rejected_contribution_degrades_until_a_merge():
+    mon = DegradationMonitor(["a"])
+    mon.merged("a", 4, now=0.0)
+    (bad,) = mon.rejected("a", "norm_outlier", now=1.0)
+    assert isinstance(bad, LearnerDegraded) and bad.cause == "norm_outlier"
+    assert mon.rejected("a", "norm_outlier", now=1.5) == []
+    (back,) = mon.merged("a", 5, now=2.0)
+    assert isinstance(back, LearnerRecovered) and back.cause == "norm_outlier"
+    assert back.degraded_s == 1.0 and mon.degraded("a") == []
