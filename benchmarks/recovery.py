@@ -1,7 +1,8 @@
 """Detection time and time to contributing again, per fault kind, on a local emulated cluster.
 
-For each fault kind one training run (the chaos suite's tiny config: a two-host v5p learner in
-us-east5 and a CPU learner in europe-west4, K = 1) injects the fault `--repeats` times,
+For each fault kind one training run (the chaos suite's tiny config: one-host learners in
+us-east5 and europe-west4 on the emulated v5p/v6e hosts, K = 1; for `kill_host_multi` the
+us-east5 learner is the two-host v5p slice) injects the fault `--repeats` times,
 `--gap` seconds apart, then stops once every injection was detected and recovered from (or
 `--limit` seconds passed). From the event tape (`control.recovery.fault_outcomes`):
 detection = first sign the system noticed (FailureDetected, a numerical rejection,
@@ -28,10 +29,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the emulated cluster lives with the tests
 
-from ray_diloco.config import build_config  # noqa: E402
 from ray_diloco.control.recovery import fault_outcomes  # noqa: E402
 from ray_diloco.control.tape import read_tape  # noqa: E402
-from tests.chaos.chaos_helpers import REGIONS, NodeReplacer, chaos_tree  # noqa: E402
+from tests.chaos.chaos_helpers import (  # noqa: E402
+    REGIONS,
+    NodeReplacer,
+    chaos_config,
+)
 from tests.cluster_helpers import FAST_HEALTH_CHECKS, SLICES, TpuCluster, prepare_ray_env  # noqa: E402
 
 from common import parser, write_results  # noqa: E402
@@ -88,10 +92,8 @@ def run_kind(
     faults = [
         {"at_s": 2.0 + i * gap_s, "kind": kind, "target": target, **extra} for i in range(repeats)
     ]
-    tree = chaos_tree(10**10, faults, multi_host)  # stopped below, not by the budget
-    tree.update(run_dir=str(tmp / row))
-    tree["synchronizer"]["name"] = f"sync-recovery-{row.replace('_', '-')}"
-    cfg = build_config(tree, f"recovery benchmark {row}")
+    # A budget never reached: the run is stopped once its faults played out (below).
+    cfg = chaos_config(tmp, row, 10**10, faults, multi_host, jax_cache=tmp / "jax_cache")
     deadline = time.monotonic() + limit_s
 
     def stop(status: dict[str, Any]) -> str | None:
@@ -135,6 +137,7 @@ def main() -> int:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp, NodeReplacer(tpu) as replacer:
+            (Path(tmp) / "jax_cache").mkdir()  # shared: the runs compile the same programs
             for row in kinds:
                 rows.append(run_kind(row, repeats, args.gap, args.limit, Path(tmp), replacer))
                 logging.warning("%s: %s", row, rows[-1])

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.host_faults import HostFaults
 from ray_diloco.actors.learner_channel import Fenced, SyncChannel
 from ray_diloco.config import RunConfig
@@ -155,7 +156,7 @@ class LearnerHost:
         from ray_diloco.actors import spmd
 
         try:
-            _use_compilation_cache(self.cfg)
+            use_compilation_cache(self.cfg)  # a restarted incarnation loads, not compiles
             if self.num_hosts > 1:
                 assert coordinator is not None, "a multi-host learner needs a coordinator"
                 spmd.initialize(coordinator, self.num_hosts, self.host_index)
@@ -278,13 +279,3 @@ class LearnerHost:
     def _set_state(self, state: LearnerState, reason: str) -> None:
         self.state = state
         self.transitions.append({"time": time.time(), "state": state.value, "reason": reason})
-
-
-def _use_compilation_cache(cfg: RunConfig) -> None:
-    """JAX's persistent compilation cache in the run dir: a restarted incarnation loads the
-    compiled step instead of compiling it again (every entry kept, however small or fast)."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.join(cfg.run_dir, "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

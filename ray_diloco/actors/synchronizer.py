@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
@@ -65,6 +66,8 @@ class Synchronizer:
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
         from ray_diloco.algorithm import checkpoint, links, simulate, sync_core
+
+        use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
         self.cfg, self._ck = cfg, checkpoint
         self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread

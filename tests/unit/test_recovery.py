@@ -62,6 +62,7 @@ def test_corruption_straggler_link_and_synchronizer():
         LearnerRecovered(41.0, "a", "norm_outlier", 0.7),
     ]
     outcomes = fault_outcomes(tape, REGIONS)
+
     def r(x: float | None) -> float | None:
         return None if x is None else round(x, 6)
 
