@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.report import markdown_table
+from ray_diloco.report import machine, markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
@@ -35,10 +33,6 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smoke setting, under two minutes")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for JSON/markdown/PNG")
     return p
-
-
-def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
 
 
 def write_results(

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib.figure import Figure
 
 from ray_diloco.algorithm.simulate import run_reference
@@ -60,11 +61,13 @@ def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -
     ax_loss, ax_good = fig.subplots(1, 2)
     for (mode, intensity), s in results.items():
         if intensity == "aggressive":
-            ax_loss.plot(
-                [e["t"] for e in s["evals"]],
-                [e["heldout_loss"] for e in s["evals"]],
-                label=f"{mode} (aggressive, {s['failures']} failures)",
-            )
+            ts = [e["t"] for e in s["evals"]]
+            losses = [e["heldout_loss"] for e in s["evals"]]
+            (line,) = ax_loss.plot(ts, losses, label=f"{mode} (aggressive)")
+            # a marker on the curve where each failure struck
+            hits = [t for t in s["failure_times"] if t <= ts[-1]]
+            ax_loss.plot(hits, np.interp(hits, ts, losses), "x", color=line.get_color(), ms=7)
+    ax_loss.plot([], [], "x", color="gray", label="a failure")
     ax_loss.set_xlabel("virtual time (s)")
     ax_loss.set_ylabel("held-out loss")
     ax_loss.legend(fontsize=8)

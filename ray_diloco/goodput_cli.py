@@ -13,6 +13,7 @@ writes goodput.json, goodput.md and goodput.png.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import logging
 import shlex
@@ -24,6 +25,7 @@ from pathlib import Path
 from ray_diloco.algorithm.goodput_sim import simulate
 from ray_diloco.algorithm.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, sweep
 from ray_diloco.config import ConfigError, RunConfig, load_config
+from ray_diloco.report import machine
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +102,13 @@ def _write(
     (out / "goodput_sim.json").write_text(
         json.dumps(
             {
+                "meta": {
+                    "command": command,
+                    "machine": machine(),
+                    "date": dt.date.today().isoformat(),
+                    "wall_s": wall_s,
+                },
                 "goodput_sim": cfg.goodput_sim.model_dump(mode="json"),
-                "wall_s": wall_s,
                 "rows": rows,
             },
             indent=2,

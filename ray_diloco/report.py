@@ -6,6 +6,8 @@ No Ray, no JAX: it formats dicts produced by `algorithm/simulate.py` and the Ray
 from __future__ import annotations
 
 import json
+import os
+import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,11 @@ def progress_line(point: Mapping[str, Any], budget: int) -> str:
         rates = " ".join(f"{k}:{v:.1f}" for k, v in sorted(point["step_rates"].items()))
         parts.append(f"steps/s [{rates}]")
     return "  ".join(parts)
+
+
+def machine() -> str:
+    """The machine a result was measured on, as results files and reports name it."""
+    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:

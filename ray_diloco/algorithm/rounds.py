@@ -249,6 +249,10 @@ class RoundBook:
             return Verdict.UNKNOWN_LEARNER
         if meta.incarnation != m.incarnation:
             return Verdict.OLD_INCARNATION
+        # Non-finite before the version checks: it says the learner's state may be corrupt
+        # (the supervisor restarts it), which matters however stale the contribution is.
+        if not finite or (norm is not None and norm != norm):
+            return Verdict.NON_FINITE
         frag = self.fragments[meta.fragment]
         if meta.base_version > frag.version:
             return Verdict.FUTURE_VERSION
@@ -256,8 +260,6 @@ class RoundBook:
             return Verdict.STALE_VERSION
         if meta.num_steps <= 0 or meta.num_tokens <= 0:
             return Verdict.EMPTY
-        if not finite or (norm is not None and norm != norm):
-            return Verdict.NON_FINITE
         # The warm-up counts closed rounds of this fragment, not stored norms: with M learners
         # one round adds M norms, and norms still grow ~10x while the inner learning rate warms
         # up, so counting norms rejected honest contributions in round 2 (and, in synchronous

@@ -133,6 +133,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     epoch = [0] * len(learners)  # bumped on failure: the dead process's pending step is void
     lost_s = [0.0] * len(learners)
     round_times: list[float] = []
+    struck: list[float] = []  # when a failure hit a live learner (plots mark them)
     for i, lg in enumerate(cfg.learners):
         sync.register(lg.name, 0, 0.0)
         dt = clocks[i].next()
@@ -195,6 +196,7 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
                 step_boundary(j, now)
         elif kind == "fail" and alive[payload]:
             i = payload
+            struck.append(now)
             alive[i], blocked[i] = False, False
             epoch[i] += 1
             lost_s[i] += sim_faults.lost_steps(learners[i]) * clocks[i].base
@@ -230,7 +232,8 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
         "work_lost_fraction": lost,
         "goodput": _goodput(productive, until) * (1 - lost),
         "uptime": uptime(round_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
-        "failures": sum(inc.incarnation for inc in learners),
+        "failures": len(struck),
+        "failure_times": struck,
     }
 
 
@@ -260,13 +263,14 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
     busy = [0.0] * len(clocks)
     failures = [t for t, _ in sim_faults.failure_times(cfg, sim_faults.horizon(cfg))]
     ckpt = sim_faults.DataParallelCheckpoint.take(core)
-    busy_at_ckpt, lost, num_failures = 0.0, 0.0, 0
+    busy_at_ckpt, lost = 0.0, 0.0
+    struck: list[float] = []  # when a failure stopped the job
     step_times: list[float] = []
     while core.cursor < cfg.token_budget:
         if failures and failures[0] <= now:
             # One host down stops the whole job: restart, roll back to the last checkpoint and
             # redo the steps since; failures while it is down hit nothing new.
-            num_failures += 1
+            struck.append(failures[0])
             lost += sum(busy) - busy_at_ckpt
             busy_at_ckpt = sum(busy)
             ckpt.restore(core)
@@ -287,7 +291,8 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
     return {
         "goodput": _goodput([sum(busy) - lost], [now * len(busy)]),
         "uptime": uptime(step_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
-        "failures": num_failures,
+        "failures": len(struck),
+        "failure_times": struck,
         **_common_summary(setup, sim.evals, now),
         "tokens": core.cursor,
         "inner_steps": core.step,

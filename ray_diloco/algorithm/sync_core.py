@@ -97,14 +97,17 @@ class SynchronizerCore:
         self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
         hist = self.published[meta.fragment]
         base = hist.get(meta.base_version)
+        decoded = wire.decode_tree(delta)
         if base is None:
+            if not merge.all_finite(decoded):  # reported as non-finite whatever its version
+                return self._reject(self.book.offer(meta, now, finite=False), meta)
             # Older than the history we keep (or from before a synchronizer restart): it cannot
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
             return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
         if set(delta) != set(base):
             return self._reject(Verdict.MALFORMED, meta)
-        theta = {k: base[k] + d for k, d in wire.decode_tree(delta).items()}
+        theta = {k: base[k] + d for k, d in decoded.items()}
         finite = merge.all_finite(theta)
         norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
         verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)

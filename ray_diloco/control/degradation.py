@@ -6,7 +6,8 @@ seeing on the event tape: `DegradationMonitor` turns two observations into `Lear
 `LearnerRecovered` events and never into commands (a slow learner is not restarted).
 
 - `slow_steps`: the learner's step rate, measured over windows of `window_s`, fell below
-  `1 / slow_ratio` of its own baseline (an exponential moving average of its healthy windows)
+  `1 / slow_ratio` of its own baseline (the best of its first windows, then an exponential
+  moving average of its healthy windows)
   for `confirm_windows` windows in a row; it recovers at the first window back above
   `1 / recover_ratio` of the baseline. Comparing a learner with itself, not with the others,
   keeps a v6e learner that is simply slower than a v5p one from being called a straggler.
@@ -91,7 +92,10 @@ class DegradationMonitor:
 
     def _judge_rate(self, learner: str, tr: _Track, rate: float, now: float) -> list[Event]:
         if tr.baseline is None or tr.healthy_windows < self.baseline_windows:
-            tr.baseline = rate if tr.baseline is None else _mix(tr.baseline, rate, self.ema)
+            # The best of the first windows, not their average: early windows are only ever
+            # slower (the tail of compilation, a peer compiling on the same cores), and a
+            # baseline dragged down by them hides a real straggler later.
+            tr.baseline = rate if tr.baseline is None else max(tr.baseline, rate)
             tr.healthy_windows += 1
             if tr.healthy_windows >= self.baseline_windows:
                 tr.ready_s = now

@@ -8,9 +8,9 @@ seconds from the injection to each. Per fault kind:
 fault                             detected by                     recovered by
 ================================  ==============================  ============================
 kill_host, kill_group,            FailureDetected of the target   LearnerRejoined of the target
-remove_node, hang_host                                            (it contributes again)
+remove_node, hang_host            (not numerical)                 (it contributes again)
 corrupt_nan                       ContributionRejected(non_finite) LearnerRejoined of the target
-                                  or FailureDetected of the target (it is restarted)
+                                  or FailureDetected(numerical)   (it is restarted)
 corrupt_norm                      ContributionRejected or          LearnerRecovered(norm_outlier)
                                   LearnerDegraded (norm_outlier)   (merged again; no restart)
 straggler                         LearnerDegraded(slow_steps)     LearnerRecovered(slow_steps)
@@ -36,6 +36,7 @@ from ray_diloco.control.events import (
     ContributionRejected,
     Event,
     FailureDetected,
+    FailureKind,
     FaultInjected,
     LearnerDegraded,
     LearnerRecovered,
@@ -108,7 +109,10 @@ def _outcome(
 
         def detect(e: Event) -> bool:
             if isinstance(e, FailureDetected):
-                return e.learner == target
+                # A numerical failure is the corruption's doing; any other kind, a lethal
+                # fault's: in a storm, neither explains the other.
+                numerical = e.failure == FailureKind.NUMERICAL
+                return e.learner == target and numerical == (kind == "corrupt_nan")
             return (
                 kind == "corrupt_nan"
                 and isinstance(e, ContributionRejected)

@@ -154,10 +154,10 @@ def check_run(
     # nothing non-finite or fenced was merged: the global model is finite, rejections are the
     # expected kinds only, and the ledger neither lost nor double-counted tokens
     assert s["heldout_loss"] == s["heldout_loss"] and abs(s["heldout_loss"]) < 1e3
-    # Stale deltas (a lost version, a late arrival) are fenced, and the norm guard may refuse an
-    # honest but large one (a learner's first after a restart): both are protective. A NaN is
-    # refused only where a test injects one.
-    allowed = {"stale_version", "empty", "norm_outlier"}
+    # Stale deltas (a lost version, a late arrival) and a dead incarnation's deltas still in
+    # flight are fenced, and the norm guard may refuse an honest but large one (a learner's
+    # first after a restart): all protective. A NaN is refused only where a test injects one.
+    allowed = {"stale_version", "old_incarnation", "empty", "norm_outlier"}
     assert set(s["rejected"]) <= set(rejections) | allowed, s["rejected"]
     assert s["ledger_violations"] == []
     for name, acct in s["learners"].items():

@@ -52,3 +52,17 @@ def test_quick_benchmarks_write_their_tables(tmp_path):
     }
     assert all(r["bytes_per_token"] > 0 for r in bandwidth["rows"])
     assert "command" in bandwidth["meta"] and "machine" in bandwidth["meta"]
+
+
+def test_readme_results_are_generated_from_the_json():
+    # Every results table in the README is rebuilt from benchmarks/results/*.json; a table
+    # edited by hand, or JSON regenerated without rerunning the generator, fails here.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "readme_tables.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (ROOT / "README.md").read_text().count("<!-- results:") == 6

@@ -29,6 +29,17 @@ def test_a_straggler_is_detected_against_its_own_baseline_and_recovers():
     assert isinstance(back, LearnerRecovered) and back.degraded_s == back.t - slow.t
 
 
+def test_a_slow_start_does_not_hide_a_later_straggler():
+    # The first window still compiles (0.3 steps/s): the baseline is the learner's best early
+    # window, so a 3x slowdown later is seen.
+    mon = DegradationMonitor(["a"], window_s=1.0, slow_ratio=2.5, confirm_windows=2)
+    events, step = drive(mon, 0.3, 0.0, 1.05, 0)
+    events, step = drive(mon, 30, 1.05, 3.1, step)
+    assert events == []
+    events, _ = drive(mon, 10, 6.0, 9.0, step)
+    assert [e.cause for e in events if isinstance(e, LearnerDegraded)] == [SLOW]
+
+
 def test_a_slower_learner_is_not_a_straggler():
     mon = DegradationMonitor(["a"])
     events, _ = drive(mon, 10, 0.0, 10.0, 0)

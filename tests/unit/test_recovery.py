@@ -37,6 +37,20 @@ def test_lethal_faults_on_one_learner_are_attributed_in_order():
     assert (second.detection_s, second.recovery_s) == pytest.approx((2.2, 9.0))
 
 
+def test_a_numerical_failure_never_explains_a_lethal_fault():
+    # The corrupted contribution was fenced unseen (lost with a synchronizer, say): the crash
+    # that follows is the kill's detection, not the corruption's.
+    tape = [
+        FaultInjected(1.0, "corrupt_nan", "b"),
+        FaultInjected(5.0, "kill_group", "b"),
+        FailureDetected(5.3, "b", FailureKind.CRASH, 0.3),
+        LearnerRejoined(9.0, "b", 1, {}, 3.7),
+    ]
+    nan, kill = fault_outcomes(tape, REGIONS)
+    assert nan.detected_t is None and nan.recovered_t is None
+    assert (kill.detection_s, kill.recovery_s) == pytest.approx((0.3, 4.0))
+
+
 def test_corruption_straggler_link_and_synchronizer():
     tape = [
         FaultInjected(1.0, "corrupt_nan", "b"),

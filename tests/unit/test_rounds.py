@@ -145,6 +145,8 @@ def test_fencing_rejects_old_incarnations_and_stale_versions():
     book.fragments[0].version = 3
     assert book.offer(meta("a", base=0, inc=1), now=0.0) is Verdict.STALE_VERSION
     assert book.offer(meta("a", base=4, inc=1), now=0.0) is Verdict.FUTURE_VERSION
+    # a NaN is reported as one however stale: the learner's state may be corrupt
+    assert book.offer(meta("a", base=0, inc=1), now=0.0, finite=False) is Verdict.NON_FINITE
     assert book.offer(meta("a", base=1, inc=1), now=0.0) is Verdict.ACCEPTED
     with pytest.raises(ValueError, match="incarnation 0 is older"):
         book.register("a", 0, now=0.0)

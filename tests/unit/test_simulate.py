@@ -97,7 +97,10 @@ def test_sync_core_fences_non_finite_and_unknown_bases():
     assert core.offer(meta, bad, now=0.0) is Verdict.NON_FINITE
     stale = ContributionMeta("learner-0", 0, 0, 7, 4, 4, 512)
     assert core.offer(stale, wire.encode_tree(zeros, "float32"), now=0.0) is Verdict.FUTURE_VERSION
-    assert core.rejected == {"non_finite": 1, "future_version": 1}
+    # A NaN is reported as such even when its base is unknown: the learner needs a restart.
+    bad_base = ContributionMeta("learner-0", 0, 0, 7, 4, 4, 512)
+    assert core.offer(bad_base, bad, now=0.0) is Verdict.NON_FINITE
+    assert core.rejected == {"non_finite": 2, "future_version": 1}
     assert core.offer(meta, wire.encode_tree(zeros, "float32"), now=0.0) is Verdict.ACCEPTED
     (pub,) = core.poll(now=10.0)
     assert pub.version == 1 and core.ledger.account("learner-0").merged == {0: 512}
@@ -151,3 +154,16 @@ def test_resumed_versions_skip_every_lost_version_number():
     stale = ContributionMeta("learner-0", 0, 0, 3, 4, 4, 512)
     assert restored.offer(stale, enc, now=12.0) is Verdict.STALE_VERSION
     assert restored.resume_versions({0: 4}) == 0  # nothing newer: unchanged
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "data_parallel"])
+def test_failures_strike_on_the_shared_schedule_and_cost_goodput(mode):
+    faults = ["chaos.enabled=true", "chaos.mtbf_s=2.0", "chaos.seed=3", "chaos.restart_s=0.2"]
+    base = run_reference(tiny(f"diloco.mode={mode}", "step_time_s=0.05"))
+    hit = run_reference(tiny(f"diloco.mode={mode}", "step_time_s=0.05", *faults))
+    times = hit["failure_times"]
+    assert base["failure_times"] == [] and base["failures"] == 0
+    assert len(times) == hit["failures"] > 0 and times == sorted(times)
+    assert times[0] > 0 and times[-1] <= hit["virtual_time_s"]
+    assert hit["goodput"] < base["goodput"]
+    assert hit["tokens"] >= 12000 and hit["heldout_loss"] == hit["heldout_loss"]

@@ -1,0 +1,198 @@
+"""Write the README's results tables from the benchmarks' JSON (issue 6).
+
+Each table sits in README.md between `<!-- results:NAME -->` and `<!-- /results:NAME -->` and is
+rebuilt from `benchmarks/results/NAME.json`, with the command that produced it, the machine
+and the date, so the README never says what the JSON does not.
+
+    python benchmarks/readme_tables.py           # rewrite README.md
+    python benchmarks/readme_tables.py --check   # exit 1 (and say which) if README.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ray_diloco.report import markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+
+Rows = list[dict[str, Any]]
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float) -> str:
+    return "0" if x == 0 else f"{100 * x:+.1f}%"
+
+
+def _rate(gbps: float) -> str:
+    return f"{gbps:.3g} Gbps" if gbps >= 1 else f"{1000 * gbps:.3g} Mbps"
+
+
+def quality(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "variant": r["variant"],
+            "held-out loss": _num(r["heldout_loss"]),
+            "vs data-parallel": _pct(r["vs_data_parallel"]),
+            "rounds": r["rounds"] or "-",
+            "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
+            "bytes/token": f"{r['bytes_per_token']:.4g}",
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
+def goodput(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "mode": r["mode"],
+            "failures (count)": f"{r['failures']} ({r['num_failures']})",
+            "goodput": _num(r["goodput"]),
+            "vs data-parallel": _num(r["goodput_vs_dp"], 2),
+            "uptime": _num(r["uptime"]),
+            "tokens / virtual s": f"{r['tokens_per_virtual_s']:,.0f}",
+            "virtual s to target loss": _num(r["time_to_target_s"], 1),
+            "final held-out loss": _num(r["heldout_loss"]),
+        }
+        for r in data["rows"]
+    ]
+    return (
+        markdown_table(rows, list(rows[0])) + f"\n\nTarget loss: {data['meta']['target_loss']:.3f}."
+    )
+
+
+def bandwidth(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "mode": r["mode"],
+            "wire": r["wire"],
+            "bytes/token": f"{r['bytes_per_token']:.4g}",
+            "fewer than DP": f"{r['x_fewer_than_dp']:.3g}x",
+            "held-out loss": _num(r["heldout_loss"]),
+            "needs for goodput 0.95": _rate(r["gbps_for_goodput_0.95"]),
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
+def overhead(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    runs = [r for r in data["rows"] if isinstance(r["rep"], int)]
+    rows = []
+    for way in ("bare", "learner only", "ray"):
+        tps = sorted(r["tokens_per_s"] for r in runs if r["way"] == way)
+        rows.append({"measure": f"tokens/s, {way} (median)", "value": f"{tps[len(tps) // 2]:,.0f}"})
+    rows.append({"measure": "ray / bare (median)", "value": f"**{meta['median_ratio']:.3f}**"})
+    rows.append(
+        {
+            "measure": "ray / learner only (median)",
+            "value": f"{meta['median_ratio_learner_only']:.3f}",
+        }
+    )
+    if "merge" in meta:
+        m = meta["merge"]
+        rows.append(
+            {
+                "measure": f"merge throughput, one core ({m['learners']} learners)",
+                "value": f"**{m['mb_per_s']:.0f} MB/s**",
+            }
+        )
+    return markdown_table(rows, ["measure", "value"])
+
+
+RECOVERY_NAMES = {"kill_host_multi": "kill_host (two-host v5p learner)"}
+
+
+def recovery(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "fault": RECOVERY_NAMES.get(r["fault"], r["fault"]),
+            "detected / injected": f"{r['detected']}/{r['injected']}",
+            "detection (median)": f"{_num(r['detection_s_median'], 2)} s",
+            "recovered": f"{r['recovered']}/{r['injected']}",
+            "contributing again (median)": f"{_num(r['recovery_s_median'], 1)} s",
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
+def goodput_sim(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    learners = sorted({r["learners"] for r in rows if r["system"] == "decoupled"})
+    cols = ["chips", "data-parallel", "elastic DP", *(f"decoupled M={m}" for m in learners)]
+    table = []
+    for chips in sorted({r["chips"] for r in rows}):
+        at = {(r["system"], r["learners"]): r["goodput"] for r in rows if r["chips"] == chips}
+        row = {"chips": f"{chips:,}"}
+        row["data-parallel"] = f"{100 * at[('data_parallel', 1)]:.1f}%"
+        row["elastic DP"] = f"{100 * at[('elastic_dp', 1)]:.1f}%"
+        for m in learners:
+            row[f"decoupled M={m}"] = f"{100 * at[('decoupled', m)]:.1f}%"
+        table.append(row)
+    return markdown_table(table, cols)
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "quality": quality,
+    "goodput": goodput,
+    "bandwidth": bandwidth,
+    "overhead": overhead,
+    "recovery": recovery,
+    "goodput_sim": goodput_sim,
+}
+
+
+def block(name: str, results: Path = RESULTS) -> str:
+    data = json.loads((results / f"{name}.json").read_text())
+    meta = data.get("meta") or {}
+    where = (
+        f"`{meta['command']}` on {meta['machine']}, {meta['date']}:"
+        if meta
+        else f"from `benchmarks/results/{name}.json`:"
+    )
+    return f"{where}\n\n{TABLES[name](data)}"
+
+
+def render(readme: str, results: Path = RESULTS) -> str:
+    """`readme` with every results block rebuilt; a block names a table in TABLES."""
+
+    def fill(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            raise SystemExit(f"README.md: unknown results block {name!r}; known: {list(TABLES)}")
+        return f"<!-- results:{name} -->\n{block(name, results)}\n<!-- /results:{name} -->"
+
+    return re.sub(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", fill, readme, flags=re.DOTALL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    args = p.parse_args()
+    old = README.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            sys.exit("README.md results are stale: run python benchmarks/readme_tables.py")
+        print("README.md results match benchmarks/results/*.json")
+        return
+    README.write_text(new)
+    print(f"rewrote {len(re.findall('<!-- results:', new))} results tables in README.md")
+
+
+if __name__ == "__main__":
+    main()
