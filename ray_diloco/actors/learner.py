@@ -220,7 +220,8 @@ class LearnerHost:
             t0 = time.perf_counter()
             self.loss = core.train_step(*core.next_batch())
             offers = self.faults.corrupt(core.offers())
-            if self.state is LearnerState.COMPILING:
+            compiled = self.state is LearnerState.COMPILING
+            if compiled:
                 self._set_state(LearnerState.TRAINING, "compiled")
             elif channel is not None:
                 # Emulated speed: a step that computed in t takes t/speed*(1+jitter*N(0,1)).
@@ -229,7 +230,10 @@ class LearnerHost:
                 self._stop.wait(max(0.0, target - (time.perf_counter() - t0)))
             if channel is not None:
                 step_time = time.perf_counter() - t0
-                channel.report(core, step_time, self.loss, self.stop)
+                # The compiling step says nothing of the pace: reported, it would hold every
+                # grace window open (sized from the slowest live learner's step time) for
+                # seconds after a restart while the others' deltas grow into norm outliers.
+                channel.report(core, None if compiled else step_time, self.loss, self.stop)
                 channel.offer(offers)
                 self.metrics.tokens(self.name, core.tokens_per_step)
                 self.metrics.step_time(self.name, step_time)

@@ -25,10 +25,14 @@ from ray_diloco.control.recovery import FaultOutcome, fault_outcomes
 from ray_diloco.control.tape import read_tape
 
 REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
-# Held-out loss may exceed the fault-free reference run's (same config and seed) by this much:
-# Ray runs are not step-for-step deterministic (wall-clock arrival order) and a fault costs a
-# learner some rounds.
-LOSS_TOLERANCE = 0.3
+# Held-out loss may exceed the fault-free in-process reference run's (same config and seed) by
+# this much. Ray runs are not step-for-step deterministic (wall-clock arrival order), and their
+# learners' relative speeds are the machine's, not the virtual clock's: fault-free Ray runs
+# measured on 2 cores ended at 1.78, 1.93, 2.15 (one-host learners, reference 2.52) and at
+# 2.21, 2.34, 2.37 (the two-host v5p learner, whose SPMD steps over gloo are slower here than
+# eu's padded ones where the reference has them 5x faster; reference 1.89). A merged NaN or
+# stale garbage ends far above (the untrained model is at 5.56).
+LOSS_TOLERANCE = 0.6
 MIN_UPTIME_WINDOW_S = 4.0
 
 
