@@ -124,6 +124,7 @@ def recovery(data: dict[str, Any]) -> str:
             "detection (median)": f"{_num(r['detection_s_median'], 2)} s",
             "recovered": f"{r['recovered']}/{r['injected']}",
             "contributing again (median)": f"{_num(r['recovery_s_median'], 1)} s",
+            "rounds lost": ", ".join(map(str, r.get("rounds_lost") or [])) or "-",
         }
         for r in data["rows"]
     ]

@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the emulated cluster lives with the tests
 
+from ray_diloco.control.events import SynchronizerRestored  # noqa: E402
 from ray_diloco.control.recovery import fault_outcomes  # noqa: E402
 from ray_diloco.control.tape import read_tape  # noqa: E402
 from tests.chaos.chaos_helpers import (  # noqa: E402
@@ -36,7 +37,7 @@ from tests.chaos.chaos_helpers import (  # noqa: E402
     NodeReplacer,
     chaos_config,
 )
-from tests.cluster_helpers import FAST_HEALTH_CHECKS, SLICES, TpuCluster, prepare_ray_env  # noqa: E402
+from tests.cluster_helpers import start_tpu_cluster  # noqa: E402
 
 from common import parser, write_results  # noqa: E402
 
@@ -57,29 +58,6 @@ KINDS: dict[str, tuple[str, str | None, bool]] = {
 QUICK = ("kill_host", "hang_host", "corrupt_nan", "kill_synchronizer")
 TIMED = {"hang_host": 5.0, "straggler": 4.0, "cut_link": 4.0, "slow_link": 4.0}
 FACTOR = {"straggler": 5.0, "slow_link": 100.0}
-
-
-def start_cluster() -> tuple[Any, TpuCluster]:
-    prepare_ray_env()
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "object_store_memory": 100 * 2**20,
-            "_system_config": FAST_HEALTH_CHECKS,
-        },
-    )
-    tpu = TpuCluster(cluster, {})
-    for kind in SLICES:
-        for worker_id in range(2):
-            tpu.add_slice_host(kind, worker_id)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="diloco-recovery")
-    return cluster, tpu
 
 
 def run_kind(
@@ -119,6 +97,8 @@ def run_kind(
         "recovery_s_median": statistics.median(rec) if rec else None,
         "detection_s": det,
         "recovery_s": rec,
+        # a synchronizer restored from its checkpoint loses the rounds closed since it
+        "rounds_lost": [e.rounds_lost for e in events if isinstance(e, SynchronizerRestored)],
         "run_wall_s": time.monotonic() - started,
     }
 
@@ -133,7 +113,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     kinds = args.kinds.split(",") if args.kinds else list(QUICK if args.quick else KINDS)
     repeats = 1 if args.quick else args.repeats
-    cluster, tpu = start_cluster()
+    tpu = start_tpu_cluster("diloco-recovery")
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp, NodeReplacer(tpu) as replacer:
@@ -145,7 +125,7 @@ def main() -> int:
         import ray
 
         ray.shutdown()
-        cluster.shutdown()
+        tpu.cluster.shutdown()
     columns = ["fault", "injected", "detected", "recovered"]
     columns += ["detection_s_median", "recovery_s_median", "run_wall_s"]
     name = "recovery-quick" if args.quick else "recovery"

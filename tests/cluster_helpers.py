@@ -145,6 +145,39 @@ class TpuCluster(NamedTuple):
         return node
 
 
+def start_tpu_cluster(namespace: str) -> TpuCluster:
+    """The emulated two-region cluster of tests/chaos (ray-notes §1.5, §4), connected to: a
+    CPU-only head (1 CPU, no TPU: a TPU resource there would trigger GCE metadata lookups)
+    with health checks tuned so a killed host is declared dead in about 1.5 s, and both hosts
+    of every slice in SLICES. Shut down with `ray.shutdown(); tpu.cluster.shutdown()`."""
+    prepare_ray_env()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():  # a previous user leaked its Ray; never reuse it
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": False,
+            "object_store_memory": 100 * 2**20,
+            "_system_config": FAST_HEALTH_CHECKS,
+        },
+    )
+    try:
+        tpu = TpuCluster(cluster, {})
+        for kind in SLICES:
+            for worker_id in range(2):
+                tpu.add_slice_host(kind, worker_id)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=namespace)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return tpu
+
+
 def first_error(call: Callable[[], Any], timeout_s: float) -> BaseException:
     """Repeat `call` (a blocking Ray call) until it raises a Ray error; return that error.
 

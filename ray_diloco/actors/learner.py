@@ -173,7 +173,7 @@ class LearnerHost:
 
     def _run(self) -> None:
         from ray_diloco.actors import spmd
-        from ray_diloco.algorithm import simulate
+        from ray_diloco.algorithm import model, simulate
 
         leader = self.host_index == 0
         channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
@@ -181,10 +181,12 @@ class LearnerHost:
         link: Any = spmd.LocalLink()
         layout, plan = None, None
         if self.num_hosts > 1:
-            setup = simulate.Setup.build(self.cfg)  # the fragment plan and shapes, as host 0's
-            shapes = {k: v.shape for k, v in setup.init.items()}
-            link, layout = spmd.HostLink(setup.plan.fragments, shapes), spmd.SpmdLayout()
-            plan = None if leader else setup.plan
+            # Layout only (abstract shapes, no parameters or data): host 0's values arrive by
+            # broadcast, and building them here cost seconds of every multi-host restart.
+            fragments = simulate.fragment_plan(self.cfg)
+            shapes = model.param_shapes(self.cfg.model)
+            link, layout = spmd.HostLink(fragments.fragments, shapes), spmd.SpmdLayout()
+            plan = None if leader else fragments
         try:
             self._train(link, layout, channel, plan)
         finally:

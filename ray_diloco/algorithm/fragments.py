@@ -14,9 +14,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import numpy as np
-from numpy.typing import ArrayLike
-
 V = TypeVar("V")
 
 
@@ -72,11 +69,6 @@ class FragmentPlan:
 
     def is_embedding(self, path: str) -> bool:
         return path in self.embedding
-
-
-def sizes_of(params: Mapping[str, ArrayLike]) -> dict[str, int]:
-    """Number of elements of every leaf, in dict order: the `leaf_sizes` of `plan_fragments`."""
-    return {path: int(np.size(value)) for path, value in params.items()}
 
 
 def plan_fragments(

@@ -185,6 +185,13 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, jax.Array]:
     return {path: jnp.asarray(flat[path], dtype=jnp.float32) for path in leaf_paths(cfg)}
 
 
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every leaf of `init_params`, in model order, by abstract evaluation: no
+    parameter is computed (a host that receives its parameters needs only the layout)."""
+    abstract = jax.eval_shape(functools.partial(init_params, cfg, 0))
+    return {path: tuple(leaf.shape) for path, leaf in abstract.items()}
+
+
 def apply(cfg: ModelConfig, params: Mapping[str, jax.Array], tokens: jax.Array) -> jax.Array:
     """Logits float32[B, T, V] for int32 tokens [B, T] with T <= cfg.seq_len. Pure and
     jittable in (params, tokens): the flat dict is put back into the cached NNX structure."""

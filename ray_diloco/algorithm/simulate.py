@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import data, inner, links, model, sim_faults
-from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments, sizes_of
+from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.algorithm.wire import decode_tree
@@ -46,8 +47,7 @@ class Setup:
     def build(cls, cfg: RunConfig) -> Setup:
         corpus = data.load_corpus(cfg.data, cfg.seed)
         init = model.init_params(cfg.model, cfg.seed)
-        embedding = [k for k in init if model.is_embedding(k)]
-        plan = plan_fragments(sizes_of(init), cfg.diloco.num_fragments, embedding)
+        plan = fragment_plan(cfg)
         heldout = data.heldout_batches(corpus, cfg.data, cfg.model.seq_len)
         return cls(cfg, corpus, init, plan, inner.make_eval_fn(cfg.model), heldout)
 
@@ -56,6 +56,14 @@ class Setup:
 
     def param_bytes(self) -> int:
         return 4 * model.num_params(self.init)
+
+
+def fragment_plan(cfg: RunConfig) -> FragmentPlan:
+    """The run's fragments (algorithm.md section 3), from the model's leaf shapes alone."""
+    shapes = model.param_shapes(cfg.model)
+    embedding = [k for k in shapes if model.is_embedding(k)]
+    sizes = {k: math.prod(shape) for k, shape in shapes.items()}
+    return plan_fragments(sizes, cfg.diloco.num_fragments, embedding)
 
 
 def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:
