@@ -278,6 +278,11 @@ class RunConfig(_Frozen):
     run_dir: str = "runs/latest"
     token_budget: int = Field(2_000_000, ge=1)
     step_time_s: float = Field(0.05, gt=0, description="virtual inner-step time in simulate")
+    # How a Ray learner emulates its speed. "compute": a step lasts its measured compute time
+    # / speed (heterogeneity relative to this machine). "step_time": it lasts step_time_s /
+    # speed, as on the reference run's virtual clock (or its compute time, if longer), so a
+    # run takes the same wall time on any machine fast enough (the chaos tests rely on it).
+    pace: Literal["compute", "step_time"] = "compute"
     sync_time_s: float = Field(0.01, ge=0, description="virtual merge+publish time in simulate")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

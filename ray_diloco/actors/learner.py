@@ -226,8 +226,10 @@ class LearnerHost:
             if compiled:
                 self._set_state(LearnerState.TRAINING, "compiled")
             elif channel is not None:
-                # Emulated speed: a step that computed in t takes t/speed*(1+jitter*N(0,1)).
-                target = (time.perf_counter() - t0) * clock.next() / cfg.step_time_s
+                # Emulated speed: a step takes base/speed*(1+jitter*N(0,1)), where base is
+                # its compute time or, pacing by step time, the virtual clock's step_time_s.
+                base = time.perf_counter() - t0 if cfg.pace == "compute" else cfg.step_time_s
+                target = base * clock.next() / cfg.step_time_s
                 target *= self.faults.slowdown()  # chaos: a straggler window
                 self._stop.wait(max(0.0, target - (time.perf_counter() - t0)))
             if channel is not None:

@@ -4,9 +4,10 @@ the checks every fault kind must pass (issue 4).
 The run: the tiny model on synthetic data, decoupled with K = 1, two learners in two regions
 of the emulated cluster: `us`, a one-host CPU learner on a us-east5 host, and `eu`, one on a
 europe-west4 host behind an emulated WAN link. With `multi_host=True` the `us` learner is `v5p`
-instead: the whole v5p slice (two hosts, one jax.distributed job). Learners run at a fifth of
-their compute speed (sleeping the rest), so the restarts get CPU on two cores. Chaos times
-count from the moment every learner trains.
+instead: the whole v5p slice (two hosts, one jax.distributed job). Steps are paced by step
+time (`pace: step_time`): 40 ms for `us`, 44 ms for `eu`, mostly sleep, so a run lasts the same
+wall time on any machine and the restarts get CPU on two cores. Chaos times count from the
+moment every learner trains.
 """
 
 from __future__ import annotations
@@ -41,22 +42,18 @@ def chaos_tree(
 ) -> dict[str, Any]:
     # Slightly different speeds and some jitter, as real learners: their offers of a fragment
     # then rarely arrive together, in the reference run as on Ray.
-    us: dict[str, Any] = {"name": "us", "region": REGIONS["us"], "batch_size": 8, "speed": 0.2}
-    eu: dict[str, Any] = {"name": "eu", "region": REGIONS["eu"], "batch_size": 8, "speed": 0.18}
+    us: dict[str, Any] = {"name": "us", "region": REGIONS["us"], "batch_size": 8, "speed": 1.0}
+    eu: dict[str, Any] = {"name": "eu", "region": REGIONS["eu"], "batch_size": 8, "speed": 0.9}
     for lg in (us, eu):
         lg["jitter"] = 0.1
-    if multi_host:  # its SPMD steps are slow enough on 2 cores: no emulated slowdown
-        us |= {
-            "name": "v5p",
-            "accelerator": "tpu-v5p",
-            "topology": "2x2x2",
-            "num_hosts": 2,
-            "speed": 1.0,
-        }
+    if multi_host:
+        us |= {"name": "v5p", "accelerator": "tpu-v5p", "topology": "2x2x2", "num_hosts": 2}
     return {
         "name": "chaos",
         "seed": 0,
         "token_budget": budget,
+        "step_time_s": 0.04,
+        "pace": "step_time",
         "model": {"d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64, "seq_len": 16},
         "data": {"source": "synthetic", "eval_batches": 2, "eval_batch_size": 8},
         "diloco": {

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from ray_diloco.algorithm import checkpoint, model, wire
-from ray_diloco.algorithm.fragments import plan_fragments, sizes_of
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.simulate import fragment_plan
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
 
@@ -26,10 +26,7 @@ TINY = [
 
 
 def _core(cfg):
-    init = model.init_params(cfg.model, cfg.seed)
-    emb = [k for k in init if model.is_embedding(k)]
-    plan = plan_fragments(sizes_of(init), cfg.diloco.num_fragments, emb)
-    return SynchronizerCore(cfg, plan, init)
+    return SynchronizerCore(cfg, fragment_plan(cfg), model.init_params(cfg.model, cfg.seed))
 
 
 def _merge_one_round(core: SynchronizerCore) -> None:
