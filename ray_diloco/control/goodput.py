@@ -10,10 +10,12 @@ a live run, a replayed tape and the simulator. Definitions, precisely:
 - productive = time in `training` minus `WorkLost.seconds` (work a restart threw away), >= 0.
   Compiling, blocked, dead and restarting time is allocated but not productive.
 - goodput = sum(productive) / sum(allocated) over learners (0.0 when nothing was allocated).
-- uptime: [run start, end_t] is cut into consecutive windows of `uptime_window_s` (the last one
+- uptime: [start, end_t] is cut into consecutive windows of `uptime_window_s` (the last one
   possibly shorter); a window is up when at least one `RoundClosed` falls in it (half-open
   [a, b), the final window closed at end_t). uptime = length of up windows / (end_t - start),
-  so a final partial window counts pro-rata. Run start is the first `RunStarted.t`, else 0.
+  so a final partial window counts pro-rata. start is the first round closed at or after the
+  first `RunStarted.t` (else 0): before it there is no global model being trained to stall
+  (booting and compiling are charged to goodput, not to uptime). No round at all: uptime 0.
 
 Events after `end_t` are ignored. Events may come in any order; ties keep tape order.
 """
@@ -138,11 +140,13 @@ def compute_goodput(events: Iterable[Event], end_t: float, uptime_window_s: floa
         elif isinstance(e, RunStarted) and run_start is None:
             run_start = e.t
     breakdown = {name: tl.close(end_t) for name, tl in sorted(lines.items())}
+    start = 0.0 if run_start is None else run_start
+    first_round = min((t for t in rounds if t >= start), default=end_t)
     allocated = sum(b.allocated_s for b in breakdown.values())
     productive = sum(b.productive_s for b in breakdown.values())
     return GoodputReport(
         goodput=productive / allocated if allocated > 0 else 0.0,
-        uptime=uptime(rounds, 0.0 if run_start is None else run_start, end_t, uptime_window_s),
+        uptime=uptime(rounds, first_round, end_t, uptime_window_s),
         allocated_s=allocated,
         productive_s=productive,
         num_failures=num_failures,

@@ -106,9 +106,10 @@ def test_no_learners():
 
 
 def test_uptime_with_a_gap():
-    # Windows of 10 s over [0, 100]: rounds in windows 0, 1, 2, 6, 9 -> 50 s up.
+    # Windows of 10 s over [5, 100] (from the first round): rounds in windows 0, 1, 2, 6 and
+    # the partial 9th [95, 100] -> 45 s up of 95.
     rep = compute_goodput(rounds(5, 15, 16, 25, 65, 95), end_t=100.0, uptime_window_s=10.0)
-    assert rep.uptime == pytest.approx(0.5)
+    assert rep.uptime == pytest.approx(45.0 / 95.0)
 
 
 def test_uptime_window_edges_and_partial_window():
@@ -121,10 +122,13 @@ def test_uptime_window_edges_and_partial_window():
     assert uptime([1.0], 5.0, 5.0, 10.0) == 0.0
 
 
-def test_uptime_starts_at_run_started():
-    evs = [RunStarted(20.0, "d"), *rounds(25.0, 5.0)]  # the round at 5 s is before the start
+def test_uptime_starts_at_the_first_round_of_the_run():
+    # The round at 5 s is before the run started; booting until 25 s is no downtime:
+    # [25, 40] in windows [25, 35) (up) and [35, 40] (down).
+    evs = [RunStarted(20.0, "d"), *rounds(25.0, 5.0)]
     rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
-    assert rep.uptime == pytest.approx(0.5)
+    assert rep.uptime == pytest.approx(10.0 / 15.0)
+    assert compute_goodput([RunStarted(0.0, "d")], end_t=40.0, uptime_window_s=10.0).uptime == 0
 
 
 def test_uptime_window_must_be_positive():
