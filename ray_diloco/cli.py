@@ -56,7 +56,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     summary["wall_time_s"] = time.perf_counter() - t0
     write_json(Path(cfg.run_dir) / "summary.json", summary)
     print(summary_table(summary))
-    print(f"wrote {cfg.run_dir}/summary.json")
+    print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
     return 0
 
 
@@ -66,7 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     summary = run_training(cfg, address=args.address, stop_synchronizer=not args.keep_synchronizer)
     print(summary_table(summary))
-    print(f"wrote {cfg.run_dir}/summary.json")
+    print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
     return 0 if summary.get("tokens", 0) >= cfg.token_budget else 1
 
 

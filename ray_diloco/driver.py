@@ -30,6 +30,8 @@ from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
 from ray_diloco.actors.sync_restore import checkpoint_dir
 from ray_diloco.actors.synchronizer import config_digest, get_or_create_synchronizer
 from ray_diloco.config import ConfigError, RunConfig, dump_config
+from ray_diloco.control.events import Event, RunStarted
+from ray_diloco.control.tape import read_tape
 from ray_diloco.report import progress_line, write_json
 
 logger = logging.getLogger(__name__)
@@ -102,14 +104,25 @@ def _prepare_run_dir(cfg: RunConfig) -> Path:
         raise ConfigError(
             f"run_dir={cfg.run_dir}: not writable ({err}); pick another run_dir"
         ) from None
-    if (run_dir / "summary.json").exists() and not _synchronizer_alive(cfg):
-        # A finished run is not resumed: start afresh. (A run dir without summary.json is an
-        # interrupted run: the synchronizer resumes from its checkpoint.)
-        logger.warning("run_dir %s holds a finished run; replacing it", run_dir)
+    finished = (run_dir / "summary.json").exists() and not _synchronizer_alive(cfg)
+    tape = _read_tape(run_dir)
+    other = next((e.config_digest for e in tape if isinstance(e, RunStarted)), None)
+    digest = config_digest(cfg.model_copy(update={"run_dir": str(run_dir)}))
+    if finished or other not in (None, digest):
+        # A finished run, or another config's, is not resumed: start afresh. (A run dir of an
+        # interrupted run of this config is: the synchronizer resumes from its checkpoint and
+        # the event tape goes on.)
+        what = "a finished run" if finished else "a run of another config"
+        logger.warning("run_dir %s holds %s; replacing it", run_dir, what)
         shutil.rmtree(checkpoint_dir(cfg.model_copy(update={"run_dir": str(run_dir)})), True)
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
     return run_dir
+
+
+def _read_tape(run_dir: Path) -> list[Event]:
+    path = run_dir / "events.jsonl"
+    return read_tape(path) if path.exists() else []
 
 
 def _synchronizer_alive(cfg: RunConfig) -> bool:
@@ -124,7 +137,11 @@ class _Run:
     def __init__(self, cfg: RunConfig, progress: Progress, stop_when: StopWhen | None) -> None:
         self.cfg, self.progress, self.stop_when = cfg, progress, stop_when
         self.run_dir = Path(cfg.run_dir)
-        self.t0 = time.time()
+        # The run clock of a resumed run goes on where its tape stopped: the tape stays one
+        # time line (goodput and uptime over every session; the gap between them is not run
+        # time, the new session's boot is).
+        elapsed = max((e.t for e in _read_tape(self.run_dir)), default=0.0)
+        self.t0 = time.time() - elapsed
         self.sync: Any = None
         self.sup: Any = None
         self.done = False

@@ -5,7 +5,8 @@ a live run, a replayed tape and the simulator. Definitions, precisely:
 
 - A learner's time line starts at its first event of any kind that names it (`learner` field)
   and runs to `end_t`. Until its first `LearnerStateChanged` it counts as `starting`; after
-  that each state holds until the learner's next change.
+  that each state holds until the learner's next change, or until a later `RunStarted` (a run
+  resumed by a new driver on the same tape), which puts every learner back to `starting`.
 - allocated = time line minus time in `gave_up` and `finished` (capacity no longer held).
 - productive = time in `training` minus `WorkLost.seconds` (work a restart threw away), >= 0.
   Compiling, blocked, dead and restarting time is allocated but not productive.
@@ -137,8 +138,11 @@ def compute_goodput(events: Iterable[Event], end_t: float, uptime_window_s: floa
             _times(recovery, pending.pop(e.learner)).rejoined_in_s.append(e.recovered_in_s)
         elif isinstance(e, RoundClosed):
             rounds.append(e.t)
-        elif isinstance(e, RunStarted) and run_start is None:
-            run_start = e.t
+        elif isinstance(e, RunStarted):
+            # A resumed run (a new driver session on the same tape) starts every learner anew.
+            for tl in lines.values():
+                tl.change(e.t, LearnerState.STARTING)
+            run_start = e.t if run_start is None else run_start
     breakdown = {name: tl.close(end_t) for name, tl in sorted(lines.items())}
     start = 0.0 if run_start is None else run_start
     first_round = min((t for t in rounds if t >= start), default=end_t)

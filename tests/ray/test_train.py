@@ -95,6 +95,51 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
     assert 'learner="a"' in text
 
 
+@pytest.mark.timeout(200)
+def test_an_interrupted_run_resumes_where_it_stopped(ray_local: Any, tmp_path: Path) -> None:
+    # A driver that dies mid-run (an exception out of its watch loop) leaves no summary.json;
+    # the next driver on the same run dir resumes: the synchronizer restores the checkpoint it
+    # wrote on the way down, learners resume their data cursors from the ledger, and the
+    # event tape goes on as one time line.
+    from ray_diloco.control.events import RoundClosed, RunFinished, RunStarted
+    from ray_diloco.control.tape import read_tape
+    from ray_diloco.driver import run_training
+
+    # Paced at 50 ms a step (5k tokens/s): the interruption comes well before the budget.
+    pace = ("pace=step_time", "step_time_s=0.05")
+    cfg = tiny(tmp_path, "resume", "diloco.mode=decoupled", "token_budget=40000", *pace)
+
+    def crash(status: dict[str, Any]) -> str | None:
+        if status["synchronizer"]["tokens"] >= 8000:
+            raise _DriverDied
+        return None
+
+    with pytest.raises(_DriverDied):
+        run_training(cfg, progress=lambda line: None, stop_when=crash)
+    run_dir = Path(cfg.run_dir)
+    assert not (run_dir / "summary.json").exists()
+    (interrupted,) = [e for e in read_tape(run_dir / "events.jsonl") if isinstance(e, RunFinished)]
+
+    summary = run_training(cfg, progress=lambda line: None)
+    events = read_tape(run_dir / "events.jsonl")
+    starts = [i for i, e in enumerate(events) if isinstance(e, RunStarted)]
+    assert len(starts) == 2
+    assert events[starts[1]].t >= interrupted.t  # the run clock went on
+    second = [e for e in events[starts[1] :] if isinstance(e, RoundClosed)]
+    # versions went on from the checkpoint (a fresh synchronizer would count only these)
+    assert 0 < len(second) < summary["rounds"]
+    assert 8000 <= interrupted.tokens < 40000 <= summary["tokens"]
+    assert summary["ledger_violations"] == []
+    assert summary["tokens"] == sum(a["tokens"] for a in summary["learners"].values())
+    for name, acct in summary["learners"].items():
+        assert acct["final_cursor"] == acct["tokens"], (name, acct)
+        assert acct["seconds"]["starting"] > 0  # the second session's boot is not training
+
+
+class _DriverDied(Exception):
+    pass
+
+
 def _scrape(url: str) -> str:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:

@@ -131,6 +131,17 @@ def test_uptime_starts_at_the_first_round_of_the_run():
     assert compute_goodput([RunStarted(0.0, "d")], end_t=40.0, uptime_window_s=10.0).uptime == 0
 
 
+def test_a_resumed_run_starts_every_learner_anew():
+    # The first driver stopped at 30 s while `a` trained; the resumed session's RunStarted at
+    # 30 s makes its boot (30..36 s) starting time, not training.
+    evs = [RunStarted(0.0, "d"), change(0.0, S.TRAINING), RunStarted(30.0, "d")]
+    evs.append(change(36.0, S.TRAINING))
+    rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
+    assert rep.learners["a"].seconds["training"] == pytest.approx(34.0)
+    assert rep.learners["a"].seconds["starting"] == pytest.approx(6.0)
+    assert rep.goodput == pytest.approx(34.0 / 40.0)
+
+
 def test_uptime_window_must_be_positive():
     with pytest.raises(ValueError):
         compute_goodput([], end_t=1.0, uptime_window_s=0.0)
