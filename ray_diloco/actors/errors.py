@@ -38,14 +38,14 @@ import logging
 
 from ray import exceptions as rex
 
+from ray_diloco.control.events import FailureKind
+
 logger = logging.getLogger(__name__)
 
-CRASH = "crash"
-PREEMPTION = "preemption"
-HANG = "hang"
-NODE_LOST = "node_lost"
-PARTITION = "partition"
-NUMERICAL = "numerical"
+# The failure kinds this classifier reports to the policy (`FailureKind` is a str-Enum, so
+# they compare equal to the plain strings of the table above).
+CRASH, PREEMPTION = FailureKind.CRASH, FailureKind.PREEMPTION
+HANG, NODE_LOST = FailureKind.HANG, FailureKind.NODE_LOST
 UNAVAILABLE = "unavailable"
 PLACEMENT = "placement"
 OBJECT_LOST = "object_lost"
