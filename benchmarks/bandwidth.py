@@ -31,6 +31,7 @@ MODES = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
     "decoupled": [],
+    "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }
 TARGET = 0.95
 
@@ -43,7 +44,7 @@ def run(overrides: list[str], quick: bool, budget: int) -> dict[str, Any]:
 def goodput_at(mode: str, gbps: float, quick: bool, budget: int, free: dict[str, Any]) -> float:
     link = [*WAN, f"links.wan.bandwidth_gbps={gbps}", "links.wan.latency_ms=1"]
     s = run([*MODES[mode], *link], quick, budget)
-    if mode == "decoupled":
+    if mode.startswith("decoupled"):
         return s["goodput"] * min(1.0, s["tokens_merged"] / free["tokens_merged"])
     return float(s["goodput"])
 

@@ -29,6 +29,11 @@ VARIANTS: dict[str, list[str]] = {
     "decoupled K=1 grace": [],
     "decoupled K=1 grace, mean merge": ["diloco.merge=mean"],
     "decoupled K=1 grace, int4 wire": ["diloco.wire_dtype=int4"],
+    "decoupled K=1 no grace, publish to contributors": [
+        "diloco.grace_fraction=0",
+        "diloco.publish_to=contributors",
+    ],
+    "decoupled K=1 grace, publish to contributors": ["diloco.publish_to=contributors"],
 }
 
 

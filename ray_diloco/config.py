@@ -99,6 +99,14 @@ class DilocoConfig(_Frozen):
     merge: Literal["rda", "mean"] = "rda"
     mixing_alpha: float = Field(0.0, ge=0, lt=1)
     late_policy: Literal["next_round", "drop"] = "next_round"
+    # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).
+    # "contributors": only the learners whose contributions the round merged (one version back
+    # per contribution, as in Streaming DiLoCo), so no learner's local progress on a fragment
+    # is overwritten by rounds it took no part in, and fewer bytes move down; a learner whose
+    # contribution is refused gets the newest version at once. Measured better with a grace
+    # window but far worse with K = 1 and no grace (learners' bases go stale, and deltas are
+    # anchored at the current global value): see the README's quality table.
+    publish_to: Literal["all", "contributors"] = "all"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
     norm_guard: float = Field(10.0, gt=1)

@@ -4,7 +4,8 @@ It wraps one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fe
 and carries its decisions out with real time and real transport, mirroring
 `simulate._run_diloco`: offers go to `core.offer`, a background thread closes due rounds
 (`close_due` under the lock, `merge` outside it, `commit` under it) and publishes each merged
-fragment once with `ray.put` to every registered learner, each send delayed by the learner's
+fragment once with `ray.put` to its recipients (`diloco.publish_to`: the learners the round
+merged, or every registered learner), each send delayed by the learner's
 emulated downstream link. Progress reports and registration run in the `control` concurrency
 group and never queue behind offers (`data` group) or merges (background thread).
 
@@ -37,6 +38,7 @@ from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.version_mark import VersionMark
+from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
@@ -202,8 +204,16 @@ class Synchronizer:
             if self.finished_at is not None:
                 return "run_finished"
             verdict = self.core.offer(meta, delta, self._now())
+            newest = self.core.catch_up(meta, verdict)
+            behind: dict[str, list[Any]] = {}
+            if newest is not None:  # refused for being behind: it adopts the newest version
+                behind = {n: h for n, h in self._targets().items() if n == meta.learner}
+                for learner in behind:
+                    self.core.sent(learner, tree_bytes(newest[1]))
+        if newest is not None:
+            self._publish(meta.fragment, *newest, behind)
         self._wake.set()
-        self.metrics.link_bytes(meta.learner, "up", sum(e.nbytes for e in delta.values()))
+        self.metrics.link_bytes(meta.learner, "up", tree_bytes(delta))
         if verdict.value != "accepted":
             self.metrics.contribution_rejected(verdict.value)
             with self._lock:
@@ -302,7 +312,8 @@ class Synchronizer:
                     self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
                 if self.versions_mark is not None:  # before the version leaves this process
                     self.versions_mark.update(self.core.book.versions())
-                targets = self._targets()
+                active = self._targets()
+                targets = {n: active[n] for n in self.core.recipients(pub, active)}
                 live = len(self.core.book.live(self._now()))
                 for learner in targets:
                     self.core.sent(learner, pub.nbytes)
@@ -315,7 +326,7 @@ class Synchronizer:
                         close.num_tokens,
                     )
                 )
-            self._publish(pub, targets)
+            self._publish(pub.fragment, pub.version, pub.encoded, targets)
             self._round_metrics(pub, live)
 
     def _targets(self) -> dict[str, list[Any]]:
@@ -324,17 +335,24 @@ class Synchronizer:
         members = self.core.book.members
         return {n: h for n, h in self.hosts.items() if n in members and members[n].active}
 
-    def _publish(self, pub: Publication, targets: dict[str, list[Any]]) -> None:
-        ref = ray.put(pub.encoded)  # owned by the synchronizer, shared by every send
+    def _publish(
+        self,
+        fragment: int,
+        version: int,
+        encoded: dict[str, Encoded],
+        targets: dict[str, list[Any]],
+    ) -> None:
+        ref = ray.put(encoded)  # owned by the synchronizer, shared by every send
+        nbytes = tree_bytes(encoded)
         now = time.monotonic()
         for learner, handles in targets.items():
             # Each copy occupies the region's serial downstream pipe, as in the reference run.
             region = self.regions.get(learner, LOCAL_REGION)
-            delay = self._wan.arrival(region, "down", pub.nbytes, now) - now
+            delay = self._wan.arrival(region, "down", nbytes, now) - now
             for host in handles:
-                send = functools.partial(_send, host, pub.fragment, pub.version, ref)
+                send = functools.partial(_send, host, fragment, version, ref)
                 self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, "down", pub.nbytes)
+            self.metrics.link_bytes(learner, "down", nbytes)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics

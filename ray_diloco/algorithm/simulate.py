@@ -22,7 +22,7 @@ from ray_diloco.algorithm import data, inner, links, model, sim_faults
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.sync_core import SynchronizerCore
-from ray_diloco.algorithm.wire import decode_tree
+from ray_diloco.algorithm.wire import decode_tree, tree_bytes
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 
@@ -151,13 +151,20 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
     now = 0.0
 
+    index = {lg.name: i for i, lg in enumerate(cfg.learners)}
+
+    def send(j: int, fragment: int, version: int, encoded: Any, t: float) -> None:
+        lg = cfg.learners[j]
+        nbytes = tree_bytes(encoded)
+        sync.sent(lg.name, nbytes)
+        arrive = wan.arrival(lg.region, "down", nbytes, t)
+        sim.push(arrive, "publish", (j, fragment, version, encoded))
+
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             round_times.append(t)
-            for j, lg in enumerate(cfg.learners):
-                arrive = wan.arrival(lg.region, "down", pub.nbytes, t + pub.sync_time_s)
-                sync.sent(lg.name, pub.nbytes)
-                sim.push(arrive, "publish", (j, pub.fragment, pub.version, pub.encoded))
+            for name in sync.recipients(pub, index):
+                send(index[name], pub.fragment, pub.version, pub.encoded, t + pub.sync_time_s)
         deadline = sync.book.next_deadline()
         if deadline is not None and deadline > t and deadline not in polls:
             polls.add(deadline)
@@ -190,7 +197,9 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             step_boundary(i, now)
         elif kind == "arrive":
             meta, delta = payload
-            sync.offer(meta, delta, now)
+            newest = sync.catch_up(meta, sync.offer(meta, delta, now))
+            if newest is not None:
+                send(index[meta.learner], meta.fragment, *newest, now)
             close_rounds(now)
         elif kind == "poll":
             polls.discard(now)

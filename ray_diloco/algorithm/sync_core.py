@@ -11,7 +11,7 @@ and the value to publish (algorithm.md sections 5 to 7). The in-process referenc
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,10 @@ from ray_diloco.algorithm.rounds import (
 from ray_diloco.config import RunConfig
 
 Values = dict[str, np.ndarray]
+# Refusals after which a learner of the current incarnation must adopt the newest version.
+CATCH_UP = frozenset(
+    {Verdict.STALE_VERSION, Verdict.FUTURE_VERSION, Verdict.NORM_OUTLIER, Verdict.NON_FINITE}
+)
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,26 @@ class SynchronizerCore:
     def commit(self, pub: Publication, now: float) -> None:
         self.ledger.record_merge(pub.close)
         self.book.commit(pub.close, pub.sync_time_s, now)
+
+    def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
+        """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
+        if self.cfg.diloco.publish_to == "all":
+            return list(learners)
+        merged = {c.meta.learner for c in pub.close.contributions}
+        return [n for n in learners if n in merged]
+
+    def catch_up(
+        self, meta: ContributionMeta, verdict: Verdict
+    ) -> tuple[int, dict[str, wire.Encoded]] | None:
+        """The newest version of the fragment (and its encoding) to send the learner whose
+        contribution was just refused for being behind, or broken, when publications only go
+        to contributors: it would otherwise never hear of a newer version. None otherwise."""
+        if self.cfg.diloco.publish_to == "all" or verdict not in CATCH_UP:
+            return None
+        hist = self.published[meta.fragment]
+        version = max(hist)
+        dtype = wire.publish_dtype(self.cfg.diloco.wire_dtype)
+        return version, wire.encode_tree(hist[version], dtype)
 
     def sent(self, learner: str, nbytes: int) -> None:
         self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes

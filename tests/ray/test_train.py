@@ -136,6 +136,33 @@ def test_an_interrupted_run_resumes_where_it_stopped(ray_local: Any, tmp_path: P
         assert acct["seconds"]["starting"] > 0  # the second session's boot is not training
 
 
+@pytest.mark.timeout(150)
+def test_publishing_to_contributors_sends_each_learner_its_own_rounds(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    cfg = tiny(
+        tmp_path,
+        "contributors",
+        "diloco.mode=decoupled",
+        "diloco.publish_to=contributors",
+        "token_budget=20000",
+        "learners.1.speed=0.6",
+    )
+    from ray_diloco.driver import run_training
+
+    summary = run_training(cfg, progress=lambda line: None)
+    evals = [e["heldout_loss"] for e in summary["evals"]]
+    assert summary["heldout_loss"] < evals[0] - 0.5, evals
+    sizes = _fragment_offer_bytes(cfg)  # publications use the same bfloat16 wire
+    merged = sum(a["contributions_merged"] for a in summary["learners"].values())
+    refused = sum(summary["rejected"].values())
+    # one version back per merged contribution (plus the newest to a refused one) ...
+    assert summary["bytes_down"] <= (merged + refused) * max(sizes)
+    # ... where publishing to every learner sends each round to both
+    assert summary["mean_contributors"] < 2
+    assert summary["bytes_down"] < summary["rounds"] * 2 * min(sizes)
+
+
 class _DriverDied(Exception):
     pass
 

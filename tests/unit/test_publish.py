@@ -1,0 +1,86 @@
+"""Who receives a merged fragment (`diloco.publish_to`) and how a refused learner catches up
+(algorithm/sync_core.py), plus the effect on the reference run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_diloco.algorithm import model, wire
+from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.simulate import fragment_plan, run_reference
+from ray_diloco.algorithm.sync_core import SynchronizerCore
+from ray_diloco.config import load_config
+
+TINY = [
+    "model.d_model=16",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.d_ff=32",
+    "model.seq_len=8",
+    "diloco.sync_every=4",
+    "diloco.num_fragments=2",
+    "diloco.quorum_min=1",
+    "diloco.grace_max_s=0",
+    "diloco.max_staleness_versions=1",
+]
+LEARNERS = ["a", "b", "c"]
+
+
+def _core(publish_to: str) -> SynchronizerCore:
+    cfg = load_config(None, [*TINY, f"diloco.publish_to={publish_to}"])
+    core = SynchronizerCore(cfg, fragment_plan(cfg), model.init_params(cfg.model, cfg.seed))
+    for name in LEARNERS:
+        core.register(name, 0, now=0.0)
+        core.report(name, 0, now=0.0, step_time_s=0.1, cursor=0)
+    return core
+
+
+def _offer(core: SynchronizerCore, learner: str, base: int, now: float) -> Verdict:
+    values = core.snapshot()[0][1]
+    delta = {k: np.full_like(v, 0.01) for k, v in values.items()}
+    meta = ContributionMeta(learner, 0, 0, base, 4, 4, 256)
+    return core.offer(meta, wire.encode_tree(delta, "bfloat16"), now=now)
+
+
+@pytest.mark.parametrize(("publish_to", "expected"), [("contributors", ["b"]), ("all", LEARNERS)])
+def test_recipients(publish_to: str, expected: list[str]) -> None:
+    core = _core(publish_to)
+    assert _offer(core, "b", base=0, now=0.1) is Verdict.ACCEPTED
+    (pub,) = core.poll(now=0.2)
+    assert core.recipients(pub, LEARNERS) == expected
+    assert core.recipients(pub, ["a", "c"]) == ([] if publish_to == "contributors" else ["a", "c"])
+
+
+def test_a_refused_learner_catches_up_on_the_newest_version() -> None:
+    core = _core("contributors")
+    for version in (1, 2):  # b's rounds move fragment 0 two versions past a's base
+        assert _offer(core, "b", base=version - 1, now=0.1 * version) is Verdict.ACCEPTED
+        core.poll(now=0.1 * version + 0.05)
+    stale = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
+    assert _offer(core, "a", base=0, now=1.0) is Verdict.STALE_VERSION
+    newest = core.catch_up(stale, Verdict.STALE_VERSION)
+    assert newest is not None
+    version, encoded = newest
+    assert version == 2
+    for k, v in wire.decode_tree(encoded).items():
+        np.testing.assert_array_equal(v, core.snapshot()[0][1][k])
+    # accepted contributions, dead incarnations and "publish to all" need no catching up
+    assert core.catch_up(stale, Verdict.ACCEPTED) is None
+    assert core.catch_up(stale, Verdict.OLD_INCARNATION) is None
+    assert _core("all").catch_up(stale, Verdict.STALE_VERSION) is None
+
+
+@pytest.mark.timeout(120)
+def test_publishing_to_contributors_moves_fewer_bytes_down() -> None:
+    base = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.d_ff=32"]
+    base += ["model.seq_len=16", "data.source=synthetic", "token_budget=40000"]
+    base += ["learners.2.speed=0.8", "learners.3.speed=0.8", "diloco.sync_every=8"]
+    base += ["diloco.num_fragments=4"]
+    runs = {
+        to: run_reference(load_config(None, [*base, f"diloco.publish_to={to}"]))
+        for to in ("contributors", "all")
+    }
+    assert runs["contributors"]["rounds"] == runs["all"]["rounds"] > 0
+    assert runs["contributors"]["bytes_down"] < runs["all"]["bytes_down"]
+    assert runs["contributors"]["bytes_up"] == runs["all"]["bytes_up"]
