@@ -6,27 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm import checkpoint, model, wire
+from ray_diloco.algorithm import checkpoint, wire
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
-from ray_diloco.algorithm.simulate import fragment_plan
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
-
-TINY = [
-    "model.d_model=16",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.d_ff=32",
-    "model.seq_len=8",
-    "diloco.sync_every=4",
-    "diloco.num_fragments=2",
-    "diloco.quorum_min=1",
-    "diloco.grace_max_s=0",
-]
-
-
-def _core(cfg):
-    return SynchronizerCore(cfg, fragment_plan(cfg), model.init_params(cfg.model, cfg.seed))
+from tests.sync_helpers import TINY, tiny_core
 
 
 def _merge_one_round(core: SynchronizerCore) -> None:
@@ -43,14 +27,14 @@ def _merge_one_round(core: SynchronizerCore) -> None:
 @pytest.mark.timeout(60)
 def test_sync_state_round_trips_through_orbax(tmp_path):
     cfg = load_config(None, TINY)
-    core = _core(cfg)
+    core = tiny_core(cfg)
     _merge_one_round(core)
     ckpt = checkpoint.Checkpointer(tmp_path / "ck", keep=2)
     arrays, meta = checkpoint.sync_state_to_tree(core.state_dict())
     ckpt.save(1, arrays, {**meta, "digest": checkpoint.state_digest(cfg)})
     ckpt.close()
 
-    fresh = _core(cfg)
+    fresh = tiny_core(cfg)
     loaded = checkpoint.Checkpointer(tmp_path / "ck", keep=2).restore()
     assert loaded is not None
     arrays2, meta2 = loaded

@@ -6,30 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm import model, wire
+from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
-from ray_diloco.algorithm.simulate import fragment_plan, run_reference
+from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
+from tests.sync_helpers import TINY, tiny_core
 
-TINY = [
-    "model.d_model=16",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.d_ff=32",
-    "model.seq_len=8",
-    "diloco.sync_every=4",
-    "diloco.num_fragments=2",
-    "diloco.quorum_min=1",
-    "diloco.grace_max_s=0",
-    "diloco.max_staleness_versions=1",
-]
 LEARNERS = ["a", "b", "c"]
 
 
 def _core(publish_to: str) -> SynchronizerCore:
-    cfg = load_config(None, [*TINY, f"diloco.publish_to={publish_to}"])
-    core = SynchronizerCore(cfg, fragment_plan(cfg), model.init_params(cfg.model, cfg.seed))
+    overrides = [*TINY, "diloco.max_staleness_versions=1", f"diloco.publish_to={publish_to}"]
+    core = tiny_core(load_config(None, overrides))
     for name in LEARNERS:
         core.register(name, 0, now=0.0)
         core.report(name, 0, now=0.0, step_time_s=0.1, cursor=0)
