@@ -62,10 +62,11 @@ def run_training(
     stop once their faults played out)."""
     embedded = _connect(cfg, address)
     try:
-        run_dir = _prepare_run_dir(cfg)
+        run_dir, elapsed_s = _prepare_run_dir(cfg)
         cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd
         dump_config(cfg, run_dir / "config.json")
-        return _Run(cfg, progress, stop_when).execute(stop_synchronizer or embedded)
+        run = _Run(cfg, progress, stop_when, elapsed_s)
+        return run.execute(stop_synchronizer or embedded)
     finally:
         if embedded:
             ray.shutdown()
@@ -93,7 +94,9 @@ def _connect(cfg: RunConfig, address: str | None) -> bool:
     return True
 
 
-def _prepare_run_dir(cfg: RunConfig) -> Path:
+def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, float]:
+    """The absolute, writable run dir, and the run time its event tape already holds (0 for a
+    new run; an interrupted run of this config is resumed, its clock going on from there)."""
     run_dir = Path(cfg.run_dir).absolute()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +120,8 @@ def _prepare_run_dir(cfg: RunConfig) -> Path:
         shutil.rmtree(checkpoint_dir(cfg.model_copy(update={"run_dir": str(run_dir)})), True)
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
-    return run_dir
+        tape = []
+    return run_dir, max((e.t for e in tape), default=0.0)
 
 
 def _read_tape(run_dir: Path) -> list[Event]:
@@ -134,14 +138,15 @@ def _synchronizer_alive(cfg: RunConfig) -> bool:
 
 
 class _Run:
-    def __init__(self, cfg: RunConfig, progress: Progress, stop_when: StopWhen | None) -> None:
+    def __init__(
+        self, cfg: RunConfig, progress: Progress, stop_when: StopWhen | None, elapsed_s: float
+    ) -> None:
         self.cfg, self.progress, self.stop_when = cfg, progress, stop_when
         self.run_dir = Path(cfg.run_dir)
         # The run clock of a resumed run goes on where its tape stopped: the tape stays one
         # time line (goodput and uptime over every session; the gap between them is not run
         # time, the new session's boot is).
-        elapsed = max((e.t for e in _read_tape(self.run_dir)), default=0.0)
-        self.t0 = time.time() - elapsed
+        self.t0 = time.time() - elapsed_s
         self.sync: Any = None
         self.sup: Any = None
         self.done = False
