@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
+from ray_diloco.sim.simulate import run_reference
 
 from common import QUICK_MODEL, REFERENCE, parser, write_results
 

@@ -1,6 +1,6 @@
 """Goodput under failures: the same model, data, token budget and seeded failure schedule in
 `decoupled`, `synchronous` and `data_parallel` modes at three failure intensities, on the
-in-process reference run (virtual clock; `ray_diloco.algorithm.sim_faults` charges what a
+in-process reference run (virtual clock; `ray_diloco.sim.sim_faults` charges what a
 failure costs; the Ray chaos suite in tests/chaos proves the real system recovers).
 
 Intensities, per learner, in inner steps of `step_time_s` (0.05 virtual s): none; moderate,
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
+from ray_diloco.sim.simulate import run_reference
 
 from common import QUICK_MODEL, REFERENCE, parser, write_results
 

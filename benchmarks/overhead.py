@@ -54,9 +54,9 @@ def one_learner(steps: int, run_dir: Path, name: str) -> RunConfig:
 
 def bare(cfg: RunConfig, merge: bool = True) -> dict[str, float]:
     from ray_diloco.algorithm.learner_core import LearnerCore
-    from ray_diloco.algorithm.simulate import Setup
     from ray_diloco.algorithm.sync_core import SynchronizerCore
     from ray_diloco.algorithm.wire import decode_tree
+    from ray_diloco.sim.simulate import Setup
 
     setup = Setup.build(cfg)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
@@ -101,8 +101,8 @@ def merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, fl
 
     from ray_diloco.algorithm import wire
     from ray_diloco.algorithm.rounds import ContributionMeta
-    from ray_diloco.algorithm.simulate import Setup
     from ray_diloco.algorithm.sync_core import SynchronizerCore
+    from ray_diloco.sim.simulate import Setup
 
     setup = Setup.build(cfg)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)

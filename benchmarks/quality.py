@@ -1,6 +1,6 @@
 """Quality at equal tokens: held-out loss of data-parallel, synchronous DiLoCo and Decoupled
 DiLoCo variants with heterogeneous learners (two 18% slower, 10% per-step jitter), all on the
-in-process reference run (`ray_diloco.algorithm.simulate`), which is deterministic for a seed.
+in-process reference run (`ray_diloco.sim.simulate`), which is deterministic for a seed.
 
     python benchmarks/quality.py            # jobs/reference.yaml, 2M tokens per variant
     python benchmarks/quality.py --quick    # tiny model, smoke check
@@ -14,8 +14,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from ray_diloco.algorithm.simulate import run_reference
 from ray_diloco.config import load_config
+from ray_diloco.sim.simulate import run_reference
 
 from common import QUICK_MODEL, REFERENCE, parser, write_results
 

@@ -40,7 +40,7 @@ def _load(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ray_diloco.algorithm.simulate import run_reference
+    from ray_diloco.sim.simulate import run_reference
 
     cfg = _load(args)
     print(
@@ -73,7 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate-goodput":
-        from ray_diloco.goodput_cli import simulate_goodput_main
+        from ray_diloco.sim.goodput_cli import simulate_goodput_main
 
         return simulate_goodput_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])

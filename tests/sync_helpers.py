@@ -3,10 +3,10 @@ them, shared by the checkpoint and publication tests."""
 
 from __future__ import annotations
 
-from ray_diloco.algorithm import model
-from ray_diloco.algorithm.simulate import fragment_plan
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import RunConfig
+from ray_diloco.sim.simulate import fragment_plan
+from ray_diloco.tasks import transformer as model
 
 TINY = [
     "model.d_model=16",

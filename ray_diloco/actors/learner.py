@@ -173,7 +173,8 @@ class LearnerHost:
 
     def _run(self) -> None:
         from ray_diloco.actors import spmd
-        from ray_diloco.algorithm import model, simulate
+        from ray_diloco.sim import simulate
+        from ray_diloco.tasks import transformer as model
 
         leader = self.host_index == 0
         channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
@@ -195,8 +196,9 @@ class LearnerHost:
             link.close()
 
     def _train(self, link: Any, layout: Any, channel: SyncChannel | None, plan: Any) -> None:
-        from ray_diloco.algorithm import data, simulate
         from ray_diloco.algorithm.learner_core import LearnerCore
+        from ray_diloco.sim import simulate
+        from ray_diloco.tasks import byte_corpus as data
 
         cfg, lg = self.cfg, self.lg
         reply: dict[str, Any] = {"snapshot": None, "cursor": 0, "plan": plan}

@@ -67,7 +67,8 @@ class Synchronizer:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
-        from ray_diloco.algorithm import checkpoint, links, simulate, sync_core
+        from ray_diloco.algorithm import checkpoint, links, sync_core
+        from ray_diloco.sim import simulate
 
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 

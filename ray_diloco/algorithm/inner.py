@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ray_diloco.algorithm import model
 from ray_diloco.config import InnerOptimizerConfig, ModelConfig
+from ray_diloco.tasks import transformer as model
 
 Params = dict[str, jax.Array]
 TrainStep = Callable[[Params, Any, jax.Array, jax.Array], tuple[Params, Any, jax.Array]]

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ray_diloco.algorithm import data, inner, wire
+from ray_diloco.algorithm import inner, wire
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
 from ray_diloco.algorithm.rounds import ContributionMeta
 from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, ModelConfig, RunConfig
+from ray_diloco.tasks import byte_corpus as data
 
 logger = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ def reference_loss(request: pytest.FixtureRequest) -> Callable[..., float]:
     def loss(budget: int, multi_host: bool = False) -> float:
         key = f"{budget}/{'multi' if multi_host else 'single'}_host"
         if regenerate or key not in golden:
-            from ray_diloco.algorithm.simulate import run_reference
+            from ray_diloco.sim.simulate import run_reference
 
             cfg = build_config(chaos_tree(budget, [], multi_host))
             golden[key] = float(run_reference(cfg)["heldout_loss"])

@@ -34,7 +34,7 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
 
     lines: list[str] = []
     ray_run = run_training(cfg, progress=lines.append)
-    from ray_diloco.algorithm.simulate import run_reference
+    from ray_diloco.sim.simulate import run_reference
 
     ref = run_reference(cfg)
     assert ray_run["rounds"] == ref["rounds"] == 6
@@ -191,7 +191,7 @@ def test_two_host_learner_matches_the_one_host_reference(ray_local: Any, tmp_pat
     from ray_diloco.driver import run_training
 
     two_hosts = run_training(cfg, progress=lambda line: None)
-    from ray_diloco.algorithm.simulate import run_reference
+    from ray_diloco.sim.simulate import run_reference
 
     one_host = run_reference(cfg)
     assert two_hosts["rounds"] == one_host["rounds"] > 0
@@ -203,8 +203,9 @@ def _fragment_offer_bytes(cfg: RunConfig) -> set[int]:
     """Bytes of one offer of each fragment on the config's wire."""
     import numpy as np
 
-    from ray_diloco.algorithm import model, wire
-    from ray_diloco.algorithm.simulate import fragment_plan
+    from ray_diloco.algorithm import wire
+    from ray_diloco.sim.simulate import fragment_plan
+    from ray_diloco.tasks import transformer as model
 
     shapes = model.param_shapes(cfg.model)
     return {

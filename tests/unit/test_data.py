@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm import data
 from ray_diloco.config import DataConfig
+from ray_diloco.tasks import byte_corpus as data
 
 SYNTH = DataConfig(source="synthetic", eval_batches=3, eval_batch_size=4)
 

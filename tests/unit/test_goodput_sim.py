@@ -13,18 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm.goodput_sim import (
+from ray_diloco.algorithm.rounds import Verdict
+from ray_diloco.config import ConfigError, GoodputSimConfig, load_config
+from ray_diloco.sim.goodput_cli import simulate_goodput_main
+from ray_diloco.sim.goodput_sim import (
     DecoupledSim,
     data_parallel,
     elastic_dp,
     learner_groups,
     simulate,
 )
-from ray_diloco.algorithm.goodput_sweep import format_table, plot, sweep
-from ray_diloco.algorithm.goodput_trace import available, make_trace, union, window_uptime
-from ray_diloco.algorithm.rounds import Verdict
-from ray_diloco.config import ConfigError, GoodputSimConfig, load_config
-from ray_diloco.goodput_cli import simulate_goodput_main
+from ray_diloco.sim.goodput_sweep import format_table, plot, sweep
+from ray_diloco.sim.goodput_trace import available, make_trace, union, window_uptime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,7 +243,7 @@ def test_cli_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
 
 def test_simulator_imports_neither_ray_nor_jax():
     code = (
-        "import sys, ray_diloco.algorithm.goodput_sweep, ray_diloco.goodput_cli\n"
+        "import sys, ray_diloco.sim.goodput_sweep, ray_diloco.sim.goodput_cli\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'jax')))"
     )
     root = Path(__file__).resolve().parents[2]

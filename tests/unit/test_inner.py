@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm import data, inner, model
+from ray_diloco.algorithm import inner
 from ray_diloco.config import DataConfig, InnerOptimizerConfig, ModelConfig
+from ray_diloco.tasks import byte_corpus as data
+from ray_diloco.tasks import transformer as model
 
 TINY = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, seq_len=16)
 SYNTH = DataConfig(source="synthetic", eval_batches=2, eval_batch_size=16)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CONTROL_MODULES = [
@@ -21,11 +23,11 @@ CONTROL_MODULES = [
     "ray_diloco.control.recovery",
 ]
 
-_ALGORITHM_CHILD = """
+_PURE_CHILD = """
 import importlib, json, pkgutil, sys
-import ray_diloco.algorithm as pkg
-imported, skipped = [], []
-for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+pkg = importlib.import_module(sys.argv[1])
+imported, skipped = [pkg.__name__], []
+for info in pkgutil.iter_modules(getattr(pkg, "__path__", []), pkg.__name__ + "."):
     try:
         importlib.import_module(info.name)
     except ModuleNotFoundError as err:
@@ -40,9 +42,9 @@ json.dump({"imported": imported, "skipped": skipped, "modules": sorted(sys.modul
 """
 
 
-def _run(code: str) -> dict:
+def _run(code: str, *args: str) -> dict:
     res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
@@ -64,7 +66,8 @@ def test_control_imports_neither_ray_nor_jax():
     assert _top_level(modules, "jax") == []
 
 
-def test_algorithm_does_not_import_ray():
-    out = _run(_ALGORITHM_CHILD)
-    assert out["imported"], f"no algorithm module could be imported: {out['skipped']}"
+@pytest.mark.parametrize("package", ["ray_diloco.algorithm", "ray_diloco.sim", "ray_diloco.tasks"])
+def test_pure_packages_do_not_import_ray(package):
+    out = _run(_PURE_CHILD, package)
+    assert len(out["imported"]) > 1, f"no {package} module could be imported: {out['skipped']}"
     assert _top_level(out["modules"], "ray") == [], out["imported"]

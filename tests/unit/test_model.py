@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ray_diloco.algorithm import model
 from ray_diloco.config import ModelConfig
+from ray_diloco.tasks import transformer as model
 
 TINY = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, seq_len=16)
 TINY_TIED = TINY.model_copy(update={"tie_embeddings": True})

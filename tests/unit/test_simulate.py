@@ -7,9 +7,9 @@ import pytest
 
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
-from ray_diloco.algorithm.simulate import Setup, run_reference
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
+from ray_diloco.sim.simulate import Setup, run_reference
 
 TINY = [
     "model.d_model=32",

@@ -22,10 +22,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ray_diloco.algorithm.goodput_sim import simulate
-from ray_diloco.algorithm.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, sweep
 from ray_diloco.config import ConfigError, RunConfig, load_config
 from ray_diloco.report import machine
+from ray_diloco.sim.goodput_sim import simulate
+from ray_diloco.sim.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, sweep
 
 logger = logging.getLogger(__name__)
 

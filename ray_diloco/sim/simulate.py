@@ -18,13 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm import data, inner, links, model, sim_faults
+from ray_diloco.algorithm import inner, links
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.algorithm.wire import decode_tree, tree_bytes
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
+from ray_diloco.sim import sim_faults
+from ray_diloco.tasks import byte_corpus as data
+from ray_diloco.tasks import transformer as model
 
 Progress = Callable[[dict[str, Any]], None]
 NUM_EVALS = 10  # held-out evaluations of the global parameters over a run

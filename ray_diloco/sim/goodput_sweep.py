@@ -15,14 +15,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.algorithm.goodput_sim import (
+from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
+from ray_diloco.sim.goodput_sim import (
     DecoupledSim,
     data_parallel,
     elastic_dp,
     elastic_per_learner,
 )
-from ray_diloco.algorithm.goodput_trace import make_trace
-from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
+from ray_diloco.sim.goodput_trace import make_trace
 
 logger = logging.getLogger(__name__)
 

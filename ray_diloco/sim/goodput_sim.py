@@ -47,15 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm.goodput_trace import (
+from ray_diloco.algorithm.rounds import ContributionMeta, RoundBook, RoundClose, RoundPolicy
+from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
+from ray_diloco.sim.goodput_trace import (
     FailureTrace,
     available,
     event_uptime,
     make_trace,
     window_uptime,
 )
-from ray_diloco.algorithm.rounds import ContributionMeta, RoundBook, RoundClose, RoundPolicy
-from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
 
 logger = logging.getLogger(__name__)
 
