@@ -84,7 +84,8 @@ def prepare(
         tok = _train_tokenizer(train, vocab_size)
     if tok.token_to_id(EOT) is None:  # a loaded tokenizer without our separator: add it
         tok.add_special_tokens([EOT])
-    eot = int(tok.token_to_id(EOT))
+    eot = tok.token_to_id(EOT)
+    assert eot is not None  # added just above
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     root = Path(out)

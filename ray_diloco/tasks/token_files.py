@@ -51,21 +51,29 @@ class TokenFiles:
                 f"data_dir={directory!r} has no {META}: give task_args.dtype (uint16 or uint32) "
                 "and task_args.vocab_size (nanoGPT's GPT-2 files: uint16, 50257)"
             )
+        files = cls(root, dtype, int(vocab_size), meta)
         for name in (TRAIN, HELDOUT):
             if not (root / name).is_file():
                 raise ValueError(f"data_dir={directory!r} lacks {name}")
-        return cls(root, dtype, int(vocab_size), meta)
+            files.check(name)
+        return files
 
     def stream(self, name: str) -> np.ndarray:
         """The token ids of `name` as a read-only memory map."""
-        tokens = np.memmap(self.directory / name, dtype=self.dtype, mode="r")
-        too_big = int(tokens.max(initial=0)) if tokens.size <= 10_000_000 else None
-        if too_big is not None and too_big >= self.vocab_size:
+        return np.memmap(self.directory / name, dtype=self.dtype, mode="r")
+
+    def check(self, name: str, sample: int = 10_000_000) -> None:
+        """Refuse files whose ids do not fit the vocabulary (a dtype or vocab_size mistake),
+        judged on their first `sample` tokens, so opening a huge corpus stays cheap."""
+        tokens = self.stream(name)
+        if tokens.size == 0:
+            raise ValueError(f"{self.directory / name} is empty")
+        top = int(tokens[:sample].max())
+        if top >= self.vocab_size:
             raise ValueError(
-                f"{self.directory / name}: token id {too_big} >= vocab_size {self.vocab_size}; "
-                "the files and the vocabulary size disagree"
+                f"{self.directory / name}: token id {top} >= vocab_size {self.vocab_size}; "
+                "the files, their dtype and the vocabulary size disagree"
             )
-        return tokens
 
     def streams(self) -> tuple[np.ndarray, np.ndarray]:
         return self.stream(TRAIN), self.stream(HELDOUT)
