@@ -177,6 +177,44 @@ class CheckpointConfig(_Frozen):
     keep: int = Field(2, ge=1)
 
 
+class MembershipChange(_Frozen):
+    """A learner joining (`join`: its group config) or leaving (`leave`: its name) at `at_s`
+    seconds of the run: the reference run and the supervisor both carry it out."""
+
+    at_s: float = Field(ge=0)
+    join: LearnerGroupConfig | None = None
+    leave: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> MembershipChange:
+        if (self.join is None) == (self.leave is None):
+            raise ValueError("a membership change needs exactly one of join: {...} or leave: NAME")
+        return self
+
+
+class ElasticConfig(_Frozen):
+    """Learners joining and leaving a running job, and the data leases that follow them
+    (algorithm/leases.py)."""
+
+    lease_tokens: int = Field(
+        65_536, ge=1, description="tokens of the task's data in one lease (a learner's read-ahead)"
+    )
+    lease_ahead: int = Field(2, ge=1, description="leases a learner holds beyond its cursor")
+    data_parts: int | None = Field(
+        None, ge=1, description="parts the data is cut into; None: the configured learners'"
+    )
+    min_learners: int = Field(
+        1, ge=1, description="a learner out of restarts leaves while more than this remain"
+    )
+    max_learners: int = Field(64, ge=1, description="never more learners than this")
+    scavenge: bool = Field(
+        False, description="start a learner from `templates` on every free node that fits one"
+    )
+    templates: tuple[LearnerGroupConfig, ...] = ()
+    scavenge_interval_s: float = Field(2.0, gt=0)
+    schedule: tuple[MembershipChange, ...] = ()
+
+
 class MetricsConfig(_Frozen):
     eval_every_s: float = Field(10.0, gt=0)
     log_every_s: float = Field(2.0, gt=0)
@@ -270,6 +308,7 @@ class RunConfig(_Frozen):
     supervisor: SupervisorConfig = SupervisorConfig()
     chaos: ChaosConfig = ChaosConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
     metrics: MetricsConfig = MetricsConfig()
     goodput_sim: GoodputSimConfig = GoodputSimConfig()
 
@@ -296,6 +335,25 @@ class RunConfig(_Frozen):
                 f"diloco.overlap_steps={d.overlap_steps} must be < diloco.sync_every="
                 f"{d.sync_every} so a fragment returns before it is due again"
             )
+        known = set(names)
+        for change in sorted(self.elastic.schedule, key=lambda c: c.at_s):
+            if change.join is not None:
+                if change.join.name in known:
+                    raise ValueError(
+                        f"elastic.schedule: learner {change.join.name!r} joins at "
+                        f"{change.at_s}s but that name is taken; give it a new name"
+                    )
+                known.add(change.join.name)
+            elif change.leave not in known:
+                raise ValueError(
+                    f"elastic.schedule: {change.leave!r} leaves at {change.at_s}s but no learner "
+                    f"of that name is in the run by then; known: {sorted(known)}"
+                )
+        if len(known) > self.elastic.max_learners:
+            raise ValueError(
+                f"elastic.max_learners={self.elastic.max_learners} is below the "
+                f"{len(known)} learners the config names; raise it"
+            )
         for region in self.links:
             if region not in {lg.region for lg in self.learners}:
                 raise ValueError(
@@ -307,6 +365,12 @@ class RunConfig(_Frozen):
     @property
     def num_learners(self) -> int:
         return len(self.learners)
+
+    @property
+    def data_parts(self) -> int:
+        """Parts the task's data is cut into: by default one per configured learner, which
+        then reads its own part (a run whose learners never change reads fixed shards)."""
+        return self.elastic.data_parts or self.num_learners
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:

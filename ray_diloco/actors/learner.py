@@ -200,13 +200,14 @@ class LearnerHost:
         self, task: Any, tree: Any, link: Any, layout: Any, channel: SyncChannel | None, plan: Any
     ) -> None:
         from ray_diloco.algorithm.learner_core import LearnerCore
+        from ray_diloco.algorithm.leases import Lease
         from ray_diloco.sim import simulate
 
         cfg, lg = self.cfg, self.lg
-        reply: dict[str, Any] = {"snapshot": None, "cursor": 0, "plan": plan}
+        reply: dict[str, Any] = {"snapshot": None, "plan": plan, "data": (0, 0, [])}
         if channel is not None:
             reply = channel.register(self.stop)
-        snapshot, cursor = link.share_start(reply["snapshot"], reply["cursor"])
+        snapshot, (cursor, offset, leases) = link.share_start(reply["snapshot"], reply["data"])
         core = LearnerCore(
             cfg,
             lg,
@@ -215,9 +216,10 @@ class LearnerHost:
             reply["plan"],
             snapshot,
             incarnation=self.incarnation,
+            leases=[Lease(*lease) for lease in leases],
+            offset=offset,
             cursor=cursor,
-            shard_index=self.index,
-            num_shards=cfg.num_learners,
+            num_parts=cfg.data_parts,
             layout=layout,
         )
         self.core = core
@@ -250,28 +252,35 @@ class LearnerHost:
                 return
 
     def _step_boundary(self, core: LearnerCore, link: Any, channel: SyncChannel | None) -> bool:
-        """Apply what arrived; in synchronous mode wait while `blocked_on`. All hosts of a
-        learner go through here in lock-step. Returns False when the learner must stop."""
+        """Apply what arrived; wait while `blocked_on` (synchronous mode) or while no data is
+        leased for the next step. All hosts of a learner go through here in lock-step. Returns
+        False when the learner must stop."""
+        from ray_diloco.algorithm.leases import Lease
+
         blocked_since: float | None = None
         while True:
             with self._cond:
                 items, self._incoming = self._incoming, []
                 stop = self._stop.is_set()
-            items, stop = link.share_step(items, stop)
+            leases = channel.take_leases() if channel is not None else []
+            items, stop, leases = link.share_step(items, stop, leases)
+            core.reader.add([Lease(*lease) for lease in leases])
             for item in items:
                 core.receive(*item)
             core.apply_received()
             if stop:
                 return False
-            waiting = core.blocked_on()
+            waiting: list[Any] = list(core.blocked_on())
+            if core.reader.ahead() < core.tokens_per_step:
+                waiting.append("data")  # the synchronizer has not topped up the leases
             if not waiting:
                 if blocked_since is not None:
                     self._set_state(LearnerState.TRAINING, "fragments arrived")
                 return True
             if blocked_since is None:
                 blocked_since = time.monotonic()
-                self._set_state(LearnerState.BLOCKED, f"waiting for fragments {waiting}")
-                logger.debug("learner %s waits for fragments %s", self.name, waiting)
+                self._set_state(LearnerState.BLOCKED, f"waiting for {waiting}")
+                logger.debug("learner %s waits for %s", self.name, waiting)
             if channel is not None:
                 self._wait_for_fragments(core, channel, waiting, blocked_since)
 

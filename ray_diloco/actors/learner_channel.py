@@ -62,11 +62,14 @@ class SyncChannel:
         self._next_beat = 0.0
         self._reports: collections.deque[Any] = collections.deque()
         self._offers: collections.deque[Any] = collections.deque()
+        self._leases: list[tuple[int, int, int]] = []  # given in report replies, not yet read
 
-    def register(self, stop: Stop) -> dict[str, Any]:
+    def register(self, stop: Stop, held: Any = None) -> dict[str, Any]:
         logger.info("learner %s: registering with the synchronizer", self.name)
         try:
-            ref: Any = self.sync.register.remote(self.name, self.incarnation, [self.me])
+            ref: Any = self.sync.register.remote(
+                self.name, self.incarnation, [self.me], self.region, held
+            )
             reply = cast(dict[str, Any], ray.get(ref, timeout=REGISTER_TIMEOUT_S))
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, ValueError):  # an older incarnation: fenced
@@ -120,6 +123,13 @@ class SyncChannel:
                 stop("token budget reached")
             elif not reply["ok"]:
                 self._rejoin(core, stop)
+            else:
+                self._leases.extend(reply["leases"])
+
+    def take_leases(self) -> list[tuple[int, int, int]]:
+        """Leases the synchronizer added since the last call, for the next step boundary."""
+        leases, self._leases = self._leases, []
+        return leases
 
     def _rejoin(self, core: LearnerCore, stop: Stop) -> None:
         """The synchronizer does not know this incarnation (it restarted from a checkpoint):
@@ -129,7 +139,10 @@ class SyncChannel:
             raise Fenced("the synchronizer no longer knows this multi-host learner")
         logger.warning("learner %s: report refused; registering again", self.name)
         self._reports.clear()
-        core.adopt(self.register(stop)["snapshot"])
+        # It kept training: its leases and cursor are newer than the restored books.
+        reader = core.reader
+        held = ([lease.as_tuple() for lease in reader.queue], reader.offset, core.cursor)
+        core.adopt(self.register(stop, held)["snapshot"])
         self.counts["rejoins"] += 1
 
     def offer(self, offers: list[tuple[Any, dict[str, Any]]]) -> None:

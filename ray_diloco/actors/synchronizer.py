@@ -104,22 +104,51 @@ class Synchronizer:
     # -- control group: membership and progress -----------------------------------------------
 
     @ray.method(concurrency_group="control")
-    def register(self, learner: str, incarnation: int, host_handles: list[Any]) -> dict[str, Any]:
+    def register(
+        self,
+        learner: str,
+        incarnation: int,
+        host_handles: list[Any],
+        region: str = LOCAL_REGION,
+        held: tuple[list[tuple[int, int, int]], int, int] | None = None,
+    ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
-        latest published version of every fragment, its data cursor from the ledger, and the
-        fragment plan (one source for every learner)."""
+        latest published version of every fragment, its data (cursor, offset into the first
+        lease, leases) and the fragment plan (one source for every learner). `held`: what a
+        learner that kept training through this synchronizer's restore already holds."""
+        from ray_diloco.algorithm.leases import Lease
+
         with self._lock:
-            versions = self.core.register(learner, incarnation, self._now())
-            self.registered[learner] = {"incarnation": incarnation, "versions": versions}
+            kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
+            a = self.core.register(learner, incarnation, self._now(), kept)
+            self._mark_leases()
+            self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
             self.hosts[learner] = list(host_handles)
+            self.regions[learner] = region
             snapshot = self.core.snapshot()
-            cursor = self.core.ledger.resume_cursor(learner)
             plan = self.setup.plan
         logger.info(
-            "registered learner %s incarnation %d at cursor %d", learner, incarnation, cursor
+            "registered learner %s incarnation %d at cursor %d", learner, incarnation, a.cursor
         )
         finished = self.finished_at is not None
-        return {"snapshot": snapshot, "cursor": cursor, "plan": plan, "finished": finished}
+        data = (a.cursor, a.offset, [lease.as_tuple() for lease in a.leases])
+        return {"snapshot": snapshot, "data": data, "plan": plan, "finished": finished}
+
+    @ray.method(concurrency_group="control")
+    def leave(self, learner: str) -> int:
+        """`learner` left the run for good (a graceful leave, a drained node, retired): out of
+        the quorum, its unread data back to the pool. Returns the tokens given back."""
+        with self._lock:
+            back = self.core.leave(learner, self._now())
+            self.hosts.pop(learner, None)
+        self._wake.set()  # rounds that only waited for it may close now
+        logger.info("learner %s left; %d unread tokens back to the pool", learner, len(back))
+        return sum(lease.size for lease in back)
+
+    def _mark_leases(self) -> None:
+        """Persist the pool's frontiers before leases leave this process (under the lock)."""
+        if self.versions_mark is not None:
+            self.versions_mark.update(frontier=self.core.ledger.pool.frontier)
 
     @ray.method(concurrency_group="control")
     def report(
@@ -130,19 +159,24 @@ class Synchronizer:
         step_time_s: float | None,
         cursor: int,
         loss: float | None,
-    ) -> dict[str, bool]:
+    ) -> dict[str, Any]:
         """A progress report (the heartbeat). `ok` False: this incarnation is fenced (or the
-        synchronizer restarted and wants it to register again). `stop`: the budget is spent."""
+        synchronizer restarted and wants it to register again). `stop`: the budget is spent.
+        `leases`: data added to keep the learner supplied."""
         with self._lock:
-            ok = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            leases = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            ok = leases is not None
             if ok:
                 self.journal.progress(learner, step, cursor, loss, step_time_s)
+            if leases:
+                self._mark_leases()
             tokens = self.core.ledger.tokens_trained
             if self.finished_at is None and tokens >= self.cfg.token_budget:
                 # The run ends here, as the reference run's loop does: no round closes after.
                 self.finished_at = time.time()
                 logger.info("token budget reached (%d tokens)", tokens)
-            return {"ok": ok, "stop": self.finished_at is not None}
+            granted = [lease.as_tuple() for lease in leases or []]
+            return {"ok": ok, "stop": self.finished_at is not None, "leases": granted}
 
     @ray.method(concurrency_group="control")
     def status(self, since_event: int = 0) -> dict[str, Any]:
@@ -381,7 +415,9 @@ class Synchronizer:
         """Number restored fragments above every version published before a restart (the
         mark survives the checkpoints' gap), so versions never go backwards."""
         self.versions_mark = VersionMark(checkpoint_dir(self.cfg))
-        lost = self.core.resume_versions(self.versions_mark.load())
+        versions, frontier = self.versions_mark.load()
+        self.core.ledger.pool.raise_frontiers(frontier)
+        lost = self.core.resume_versions(versions)
         if lost:
             base = self.restored or {
                 "versions": {},

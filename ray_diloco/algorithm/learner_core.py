@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ import optax
 
 from ray_diloco.algorithm import inner, wire
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
+from ray_diloco.algorithm.leases import ENDLESS, Lease
 from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.algorithm.rounds import ContributionMeta
 from ray_diloco.algorithm.setup import tokens_per_step, total_inner_steps
@@ -42,6 +44,70 @@ def _compiled_step(
     return tx, inner.make_train_step(task, tree, tx)
 
 
+class DataStarved(Exception):
+    """The learner consumed every lease it holds (the synchronizer has not topped them up)."""
+
+
+class LeaseReader:
+    """Batches of `batch_size` examples read from a queue of leases in order. Inside a lease a
+    learner reads one continuous stream (exactly the batches a fixed shard would give); a
+    batch that a lease cannot fill takes its remaining examples from the next lease (the task
+    contract's example addressing makes that the same data, read in two pieces)."""
+
+    def __init__(
+        self, data: Any, num_parts: int, batch_size: int, leases: Sequence[Lease], offset: int
+    ) -> None:
+        self.data, self.num_parts, self.batch_size = data, num_parts, batch_size
+        self.unit = data.tokens_per_example
+        self.queue: deque[Lease] = deque()
+        self.offset = offset  # tokens of queue[0] already read
+        self._stream: Iterator[tuple[Batch, int]] | None = None
+        self.add(leases)
+
+    def add(self, leases: Sequence[Lease]) -> None:
+        for lease in leases:
+            last = self.queue[-1] if self.queue else None
+            if last is not None and last.part == lease.part and last.end == lease.start:
+                self.queue[-1] = Lease(last.part, last.start, lease.end)  # one stream
+            else:
+                self.queue.append(lease)
+
+    def ahead(self) -> int:
+        """Tokens leased and not read yet."""
+        return sum(lease.size for lease in self.queue) - self.offset
+
+    def next(self) -> tuple[Batch, int]:
+        pieces: list[tuple[Batch, int]] = []
+        need = self.batch_size
+        while need:
+            if not self.queue:
+                raise DataStarved(f"no lease left ({self.batch_size - need} examples read)")
+            lease = self.queue[0]
+            available = (lease.size - self.offset) // self.unit
+            if available == 0:
+                self.queue.popleft()
+                self.offset, self._stream = 0, None
+                continue
+            if need == self.batch_size and available >= need:
+                if self._stream is None:
+                    self._stream = self.data.batches(
+                        lease.part, self.num_parts, lease.start + self.offset, self.batch_size
+                    )
+                batch, tokens = next(self._stream)
+            else:  # part of a batch, from a lease's end or a new lease's start
+                take = min(need, available)
+                start = lease.start + self.offset
+                batch, tokens = next(self.data.batches(lease.part, self.num_parts, start, take))
+                self._stream = None
+            pieces.append((batch, tokens))
+            self.offset += tokens
+            need -= jax.tree.leaves(batch)[0].shape[0]
+        if len(pieces) == 1:
+            return pieces[0]
+        joined = jax.tree.map(lambda *xs: np.concatenate(xs), *[b for b, _ in pieces])
+        return joined, sum(t for _, t in pieces)
+
+
 class DeviceLayout:
     """Where the learner's arrays live: by default on this process's default device. A
     learner spanning several hosts passes an SPMD layout (actors/spmd.py) that replicates the
@@ -56,8 +122,9 @@ class DeviceLayout:
 
 class LearnerCore:
     """`task` and `tree` (the parameters' layout) say what is trained, `plan` how it is cut into
-    fragments; the learner reads part `shard_index` of `num_shards` of the task's data from
-    token offset `cursor` on."""
+    fragments; the learner reads its `leases` of the task's data (parts of `num_parts`,
+    algorithm/leases.py), `offset` tokens into the first, having consumed `cursor` tokens
+    before (its whole life: the number its progress reports carry)."""
 
     def __init__(
         self,
@@ -69,9 +136,10 @@ class LearnerCore:
         snapshot: Snapshot,
         *,
         incarnation: int = 0,
+        leases: Sequence[Lease] = (Lease(0, 0, ENDLESS),),
+        offset: int = 0,
         cursor: int = 0,
-        shard_index: int = 0,
-        num_shards: int = 1,
+        num_parts: int = 1,
         total_steps: int | None = None,
         layout: DeviceLayout | None = None,
     ) -> None:
@@ -82,11 +150,12 @@ class LearnerCore:
         self.batch_size = learner.batch_size
         self.incarnation = incarnation
         self.plan = plan
-        self.shard = (shard_index, num_shards)
+        self.num_parts = num_parts
         self.tokens_per_step = tokens_per_step(task, learner)
         steps = total_steps or total_inner_steps(cfg, task)
         self.tx, self.step_fn = _compiled_step(task, tree, cfg.inner, steps)
-        self.seek(cursor)
+        self.cursor = cursor
+        self.reader = LeaseReader(task.data, num_parts, learner.batch_size, leases, offset)
         # A restarted learner continues its schedule where its data cursor says it was.
         self.step = cursor // self.tokens_per_step
         num_fragments = plan.num_fragments
@@ -157,13 +226,16 @@ class LearnerCore:
     # -- the inner loop -----------------------------------------------------------------------
 
     def seek(self, cursor: int) -> None:
-        """Read the data from token offset `cursor` of this learner's part on."""
+        """Read the whole of one endless part from token offset `cursor` on: a data-parallel
+        job, which has no leases, restarting from its checkpoint."""
         self.cursor = cursor
-        self._batches = self.task.data.batches(*self.shard, cursor, self.batch_size)
+        self.reader = LeaseReader(
+            self.task.data, 1, self.batch_size, [Lease(0, cursor, ENDLESS)], 0
+        )
 
     def next_batch(self) -> tuple[Batch, int]:
         """The next batch and its number of tokens."""
-        return next(self._batches)
+        return self.reader.next()
 
     def train_step(self, batch: Batch, num_tokens: int) -> float:
         self.params, self.opt_state, loss = self.step_fn(
@@ -188,22 +260,34 @@ class LearnerCore:
         """Contributions due at the current step: the host copy of each due fragment, sent as
         its delta to the base version's published value in the configured wire dtype."""
         d = self.cfg.diloco
-        out = []
-        for p in due_fragments(self.step, d.sync_every, d.num_fragments):
-            base = self.base_values[p]
-            delta = {k: np.asarray(self.params[k], np.float32) - base[k] for k in base}
-            meta = ContributionMeta(
-                learner=self.name,
-                incarnation=self.incarnation,
-                fragment=p,
-                base_version=self.base_version[p],
-                step=self.step,
-                num_steps=self.steps_since[p],
-                num_tokens=self.tokens_since[p],
-            )
-            if not all(np.isfinite(v).all() for v in delta.values()):
-                logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
-                continue
-            out.append((meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)))
-            self.outstanding[p] = (self.step, self.base_version[p])
-        return out
+        due = due_fragments(self.step, d.sync_every, d.num_fragments)
+        return [offer for p in due if (offer := self._offer(p)) is not None]
+
+    def final_offers(self) -> list[tuple[ContributionMeta, dict[str, wire.Encoded]]]:
+        """Before leaving the run for good: every fragment with work not offered yet, so no
+        finished step is lost (a graceful leave)."""
+        unsent = [
+            p
+            for p in range(self.plan.num_fragments)
+            if self.steps_since[p] and self.outstanding.get(p, (-1, 0))[0] < self.step
+        ]
+        return [offer for p in unsent if (offer := self._offer(p)) is not None]
+
+    def _offer(self, p: int) -> tuple[ContributionMeta, dict[str, wire.Encoded]] | None:
+        d = self.cfg.diloco
+        base = self.base_values[p]
+        delta = {k: np.asarray(self.params[k], np.float32) - base[k] for k in base}
+        meta = ContributionMeta(
+            learner=self.name,
+            incarnation=self.incarnation,
+            fragment=p,
+            base_version=self.base_version[p],
+            step=self.step,
+            num_steps=self.steps_since[p],
+            num_tokens=self.tokens_since[p],
+        )
+        if not all(np.isfinite(v).all() for v in delta.values()):
+            logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
+            return None
+        self.outstanding[p] = (self.step, self.base_version[p])
+        return meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
 from ray_diloco.algorithm.fragments import FragmentPlan
+from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.rounds import (
     ContributionMeta,
@@ -34,6 +35,17 @@ Values = dict[str, np.ndarray]
 CATCH_UP = frozenset(
     {Verdict.STALE_VERSION, Verdict.FUTURE_VERSION, Verdict.NORM_OUTLIER, Verdict.NON_FINITE}
 )
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a registered learner starts from: fragment versions, its leases of the data (the
+    first one `offset` tokens in), and its cursor (tokens it trained so far)."""
+
+    versions: dict[int, int]
+    leases: list[Lease]
+    offset: int
+    cursor: int
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,12 @@ class SynchronizerCore:
             RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
+            roster={lg.name for lg in cfg.learners},
         )
-        self.ledger = TokenLedger()
+        e = cfg.elastic
+        self.ledger = TokenLedger(DataPool(cfg.data_parts, e.lease_tokens, e.lease_ahead))
+        # The configured learners read their own part of the data; joiners have none.
+        self.homes = {lg.name: i for i, lg in enumerate(cfg.learners) if i < cfg.data_parts}
         self.tx = outer.make_outer_optimizer(cfg.outer)
         self.values: list[Values] = [
             {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
@@ -75,8 +91,30 @@ class SynchronizerCore:
 
     # -- learners -----------------------------------------------------------------------------
 
-    def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
-        return self.book.register(learner, incarnation, now)
+    def register(
+        self,
+        learner: str,
+        incarnation: int,
+        now: float,
+        held: tuple[list[Lease], int, int] | None = None,
+    ) -> Admission:
+        """Admit `incarnation` of `learner` (fencing older ones): the versions it adopts and
+        the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
+        cursor) of a learner that kept training through a synchronizer restore."""
+        versions = self.book.register(learner, incarnation, now)
+        if held is not None:
+            self.ledger.pool.reclaim(learner, *held)
+            acct = self.ledger.account(learner)
+            acct.cursor = max(acct.cursor, held[2])
+        leases, offset = self.ledger.join(learner, self.homes.get(learner))
+        cursor = self.ledger.resume_cursor(learner)
+        return Admission(versions, leases, offset, cursor)
+
+    def leave(self, learner: str, now: float) -> list[Lease]:
+        """`learner` left the run for good: out of the quorum, its unread data back to the
+        pool (returned)."""
+        self.book.leave(learner, now)
+        return self.ledger.leave(learner)
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
         """The latest published version of every fragment: what a (re)joining learner adopts."""
@@ -88,11 +126,12 @@ class SynchronizerCore:
 
     def report(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None, cursor: int
-    ) -> bool:
-        ok = self.book.heartbeat(learner, incarnation, now, step_time_s)
-        if ok:
-            self.ledger.record_progress(learner, cursor)
-        return ok
+    ) -> list[Lease] | None:
+        """A progress report: the leases that keep the learner supplied, or None when the
+        report comes from a fenced (or unknown) incarnation."""
+        if not self.book.heartbeat(learner, incarnation, now, step_time_s):
+            return None
+        return self.ledger.record_progress(learner, cursor)
 
     def offer(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float

@@ -88,49 +88,69 @@ def reference_run(
     return summary, sim.final_params
 
 
+@dataclass
+class _Learner:
+    """One learner of the reference run: its core and its virtual-clock bookkeeping."""
+
+    cfg: LearnerGroupConfig
+    core: LearnerCore
+    clock: StepClock
+    start_s: float = 0.0  # when it joined: its allocation starts there
+    blocked: bool = False
+    busy_s: float = 0.0  # seconds of completed inner steps: the productive time
+    done_s: float = 0.0  # when it last completed a step
+    alive: bool = True
+    left: bool = False
+    epoch: int = 0  # bumped on failure: the dead process's pending step is void
+    lost_s: float = 0.0
+
+
 def _run_diloco(sim: _Sim) -> dict[str, Any]:
     setup = sim.setup
     cfg = setup.cfg
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
-    snapshot = sync.snapshot()
-    learners = [
-        LearnerCore(
+    polls: set[float] = set()
+    wan = links.LinkEmulator(cfg.links)
+    round_times: list[float] = []
+    struck: list[float] = []  # when a failure hit a live learner (plots mark them)
+    learners: list[_Learner] = []
+    index: dict[str, int] = {}
+
+    def admit(lg: LearnerGroupConfig, incarnation: int, t: float) -> LearnerCore:
+        a = sync.register(lg.name, incarnation, t)
+        return LearnerCore(
             cfg,
             lg,
             setup.task,
             setup.layout,
             setup.plan,
-            snapshot,
-            shard_index=i,
-            num_shards=cfg.num_learners,
+            sync.snapshot(),
+            incarnation=incarnation,
+            leases=a.leases,
+            offset=a.offset,
+            cursor=a.cursor,
+            num_parts=cfg.data_parts,
         )
-        for i, lg in enumerate(cfg.learners)
-    ]
-    clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
-    blocked = [False] * len(learners)
-    busy = [0.0] * len(learners)  # seconds of completed inner steps: the productive time
-    done_s = [0.0] * len(learners)  # when each learner last completed a step
-    polls: set[float] = set()
-    wan = links.LinkEmulator(cfg.links)
-    alive = [True] * len(learners)
-    epoch = [0] * len(learners)  # bumped on failure: the dead process's pending step is void
-    lost_s = [0.0] * len(learners)
-    round_times: list[float] = []
-    struck: list[float] = []  # when a failure hit a live learner (plots mark them)
-    for i, lg in enumerate(cfg.learners):
-        sync.register(lg.name, 0, 0.0)
-        dt = clocks[i].next()
-        sim.push(dt, "step", (i, dt, 0))
+
+    def join(lg: LearnerGroupConfig, t: float) -> None:
+        i = len(learners)
+        index[lg.name] = i
+        learners.append(_Learner(lg, admit(lg, 0, t), StepClock(cfg, lg, i), start_s=t))
+        dt = learners[i].clock.next()
+        sim.push(t + dt, "step", (i, dt, 0))
+
+    for lg in cfg.learners:
+        join(lg, 0.0)
     horizon = sim_faults.horizon(cfg, setup.task.data.tokens_per_example)
     for t, i in sim_faults.failure_times(cfg, horizon):
         sim.push(t, "fail", i)
+    for change in cfg.elastic.schedule:
+        sim.push(change.at_s, "membership", change)
     next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
     now = 0.0
 
-    index = {lg.name: i for i, lg in enumerate(cfg.learners)}
-
     def send(j: int, fragment: int, version: int, encoded: Any, t: float) -> None:
-        lg = cfg.learners[j]
+        lg = learners[j].cfg
         nbytes = tree_bytes(encoded)
         sync.sent(lg.name, nbytes)
         arrive = wan.arrival(lg.region, "down", nbytes, t)
@@ -139,7 +159,8 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             round_times.append(t)
-            for name in sync.recipients(pub, index):
+            live = [n for n, j in index.items() if not learners[j].left]
+            for name in sync.recipients(pub, live):
                 send(index[name], pub.fragment, pub.version, pub.encoded, t + pub.sync_time_s)
         deadline = sync.book.next_deadline()
         if deadline is not None and deadline > t and deadline not in polls:
@@ -147,34 +168,39 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             sim.push(deadline, "poll", None)
 
     def step_boundary(i: int, t: float) -> None:
-        core = learners[i]
-        core.apply_received()
-        if core.blocked_on():
-            blocked[i] = True
+        ln = learners[i]
+        ln.core.apply_received()
+        if ln.core.blocked_on():
+            ln.blocked = True
             return
-        blocked[i] = False
-        dt = clocks[i].next()
-        sim.push(t + dt, "step", (i, dt, epoch[i]))
+        ln.blocked = False
+        dt = ln.clock.next()
+        sim.push(t + dt, "step", (i, dt, ln.epoch))
+
+    def offer(ln: _Learner, offers: list[Any], t: float) -> None:
+        for meta, delta in offers:
+            nbytes = sum(e.nbytes for e in delta.values())
+            sim.push(wan.arrival(ln.cfg.region, "up", nbytes, t), "arrive", (meta, delta))
 
     while sim.queue and sync.ledger.tokens_trained < cfg.token_budget:
         now, _, kind, payload = heapq.heappop(sim.queue)
         if kind == "step":
             i, dt, ep = payload
-            if ep != epoch[i]:
-                continue  # the process that was taking this step died
-            busy[i] += dt
-            done_s[i] = now
-            core, lg = learners[i], cfg.learners[i]
+            ln = learners[i]
+            if ep != ln.epoch or ln.left:
+                continue  # the process that was taking this step died, or left
+            ln.busy_s += dt
+            ln.done_s = now
+            core = ln.core
             core.train_step(*core.next_batch())
-            sync.report(lg.name, core.incarnation, now, dt, core.cursor)
-            for meta, delta in core.offers():
-                nbytes = sum(e.nbytes for e in delta.values())
-                sim.push(wan.arrival(lg.region, "up", nbytes, now), "arrive", (meta, delta))
+            leases = sync.report(ln.cfg.name, core.incarnation, now, dt, core.cursor)
+            core.reader.add(leases or [])
+            offer(ln, core.offers(), now)
             step_boundary(i, now)
         elif kind == "arrive":
             meta, delta = payload
             newest = sync.catch_up(meta, sync.offer(meta, delta, now))
-            if newest is not None:
+            if newest is not None and not learners[index[meta.learner]].left:
                 send(index[meta.learner], meta.fragment, *newest, now)
             close_rounds(now)
         elif kind == "poll":
@@ -182,46 +208,50 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             close_rounds(now)
         elif kind == "publish":
             j, frag, version, encoded = payload
-            if not alive[j]:
+            ln = learners[j]
+            if not ln.alive or ln.left:
                 continue  # a learner that is down gets the latest version when it comes back
-            learners[j].receive(frag, version, decode_tree(encoded))
-            if blocked[j]:
+            ln.core.receive(frag, version, decode_tree(encoded))
+            if ln.blocked:
                 step_boundary(j, now)
-        elif kind == "fail" and alive[payload]:
-            i = payload
+        elif kind == "fail" and payload < len(learners) and learners[payload].alive:
+            ln = learners[payload]
+            if ln.left:
+                continue
             struck.append(now)
-            alive[i], blocked[i] = False, False
-            epoch[i] += 1
-            lost_s[i] += sim_faults.lost_steps(learners[i]) * clocks[i].base
-            sim.push(now + cfg.chaos.restart_s, "restart", i)
+            ln.alive, ln.blocked = False, False
+            ln.epoch += 1
+            ln.lost_s += sim_faults.lost_steps(ln.core) * ln.clock.base
+            sim.push(now + cfg.chaos.restart_s, "restart", payload)
         elif kind == "restart":
-            i, lg = payload, cfg.learners[payload]
-            incarnation = learners[i].incarnation + 1
-            learners[i] = LearnerCore(
-                cfg,
-                lg,
-                setup.task,
-                setup.layout,
-                setup.plan,
-                sync.snapshot(),
-                incarnation=incarnation,
-                cursor=sync.ledger.resume_cursor(lg.name),
-                shard_index=i,
-                num_shards=cfg.num_learners,
-            )
-            sync.register(lg.name, incarnation, now)
-            alive[i] = True
-            step_boundary(i, now)
+            ln = learners[payload]
+            if ln.left:
+                continue
+            ln.core = admit(ln.cfg, ln.core.incarnation + 1, now)
+            ln.alive = True
+            step_boundary(payload, now)
+        elif kind == "membership":
+            if payload.join is not None:
+                join(payload.join, now)
+            else:
+                # A graceful leave: the learner offers every fragment it has unsent work on,
+                # leaves the quorum and gives its unread data back to the pool.
+                ln = learners[index[payload.leave]]
+                if ln.alive:
+                    offer(ln, ln.core.final_offers(), now)
+                ln.left, ln.done_s = True, now if ln.alive else ln.done_s
+                sync.leave(ln.cfg.name, now)
+                close_rounds(now)
         tokens = sync.ledger.tokens_trained
         if tokens >= next_eval:
             sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
             next_eval += eval_every
     sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
-    summary = summarize_diloco(setup, sync, learners, sim.evals, now)
+    summary = summarize_diloco(setup, sync, [ln.core for ln in learners], sim.evals, now)
     lost = _lost_fraction(sync)
-    # A learner that is down at the end was allocated until the end.
-    until = [d if up else now for d, up in zip(done_s, alive, strict=True)]
-    productive = [b - x for b, x in zip(busy, lost_s, strict=True)]
+    # A learner that is down at the end was allocated until the end; one that left, until then.
+    until = [(ln.done_s if ln.alive or ln.left else now) - ln.start_s for ln in learners]
+    productive = [ln.busy_s - ln.lost_s for ln in learners]
     return summary | {
         "work_lost_fraction": lost,
         "goodput": _goodput(productive, until) * (1 - lost),
