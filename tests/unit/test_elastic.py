@@ -41,9 +41,9 @@ def test_a_static_run_reads_the_same_data_with_or_without_small_leases() -> None
 
 
 def test_schedule_errors_name_the_field() -> None:
-    with pytest.raises(ConfigError, match="elastic.schedule.*'ghost' leaves"):
+    with pytest.raises(ConfigError, match=r"elastic\.schedule.*'ghost' leaves"):
         load_config(None, ["elastic.schedule=[{at_s: 1, leave: ghost}]"])
     with pytest.raises(ConfigError, match="exactly one of join"):
         load_config(None, ["elastic.schedule=[{at_s: 1}]"])
-    with pytest.raises(ConfigError, match="'learner-0' joins at 1.0s but that name is taken"):
+    with pytest.raises(ConfigError, match=r"'learner-0' joins at 1\.0s but that name is taken"):
         load_config(None, ["elastic.schedule=[{at_s: 1, join: {name: learner-0}}]"])

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.learner_core import DataStarved, LeaseReader
+from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.tasks.windows import TokenWindows
 
 
@@ -101,8 +101,8 @@ def test_reader_batches_across_leases_are_the_data_of_each_piece() -> None:
     whole = LeaseReader(data, 2, 3, [Lease(1, 0, 24), Lease(1, 24, 48)], 0)
     fixed = data.batches(1, 2, 0, 3)
     for _ in range(4):
-        (x, y), n = whole.next()
-        (fx, fy), _ = next(fixed)
+        (x, _), n = whole.next()
+        (fx, _), _ = next(fixed)
         np.testing.assert_array_equal(x, fx)
     # a batch of 3 split over two leases of different parts: 2 examples, then 1
     split = LeaseReader(data, 2, 3, [Lease(0, 40, 48), Lease(1, 8, 100)], 0)
