@@ -5,6 +5,7 @@
   ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
   ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
   ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
+  ray-diloco scale RUN_DIR --add 'name=x,...' | --remove NAME       learners join/leave a run
 
 Printing to the terminal happens here (and in the progress display) only.
 """
@@ -65,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         from ray_diloco.sim.goodput_cli import simulate_goodput_main
 
         return simulate_goodput_main(argv[1:])
+    if argv and argv[0] == "scale":
+        from ray_diloco.scale import main as scale_main
+
+        try:
+            return scale_main(argv[1:])
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if argv and argv[0] == "prepare-data":
         from ray_diloco.tasks.prepare import main as prepare_main
 
@@ -91,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(simulate)
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
     sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
+    sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:

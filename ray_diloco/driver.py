@@ -38,6 +38,7 @@ from ray_diloco.report import progress_line, write_json
 logger = logging.getLogger(__name__)
 
 EMBEDDED_OBJECT_STORE_BYTES = 300 * 10**6
+SCALE_HEADROOM_CPUS = 2  # an embedded Ray's room for learners added to the running job
 SYNC_START_TIMEOUT_S = 600.0  # building data and parameters on a busy laptop
 STOP_TIMEOUT_S = 60.0
 RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl")
@@ -88,7 +89,9 @@ def _connect(cfg: RunConfig, address: str | None) -> bool:
         ray.init(address=address, namespace=cfg.synchronizer.namespace)
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cpus = sum(max(1, round(lg.cpus_per_host)) * lg.num_hosts for lg in cfg.learners) + 1
+    joins = [c.join for c in cfg.elastic.schedule if c.join is not None]
+    cpus = sum(max(1, round(lg.cpus_per_host)) * lg.num_hosts for lg in (*cfg.learners, *joins))
+    cpus += 1 + SCALE_HEADROOM_CPUS  # the synchronizer's side, and room to `ray-diloco scale`
     logger.info("starting an embedded local Ray with %d CPUs", cpus)
     ray.init(
         address="local",  # never a stale cluster from /tmp/ray/ray_current_cluster
@@ -309,8 +312,10 @@ def _summary(
     up, down = sum(st["bytes_up"].values()), sum(st["bytes_down"].values())
     tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * st["tokens_per_example"]
     dp_per_token = 2 * 4 * st["num_params"] * cfg.num_learners / tokens_per_dp_step
-    names = [lg.name for lg in cfg.learners]
     final, watched = sup["final"], sup.get("learners", {})
+    names = [lg.name for lg in cfg.learners] + [
+        n for n in watched if n not in {lg.name for lg in cfg.learners}
+    ]  # and every learner that joined
     return {
         "mode": cfg.diloco.mode,
         "heldout_loss": loss,

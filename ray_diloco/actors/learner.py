@@ -26,7 +26,7 @@ import ray
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.host_faults import HostFaults
 from ray_diloco.actors.learner_channel import Fenced, SyncChannel
-from ray_diloco.config import RunConfig
+from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import LearnerState
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
@@ -45,6 +45,7 @@ class LearnerHost:
     def __init__(
         self,
         cfg: RunConfig,
+        lg: LearnerGroupConfig,
         learner_index: int,
         incarnation: int = 0,
         host_index: int = 0,
@@ -53,12 +54,13 @@ class LearnerHost:
     ) -> None:
         setup_logging(log_level)
         self.cfg, self.index, self.incarnation = cfg, learner_index, incarnation
-        self.lg = cfg.learners[learner_index]
+        self.lg = lg
         self.name, self.host_index, self.num_hosts = self.lg.name, host_index, num_hosts
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._incoming: list[tuple[int, int, Any]] = []  # received, not yet at a boundary
         self.stop_reason = ""
+        self._leaving = False
         self.transitions: list[dict[str, Any]] = []
         self.state = LearnerState.STARTING
         self._set_state(LearnerState.STARTING, "created")
@@ -112,6 +114,12 @@ class LearnerHost:
             "stop_reason": self.stop_reason,
             "transitions": self.transitions[since_transition:],
         }
+
+    def leave(self, reason: str = "requested") -> None:
+        """Leave the run for good at the next step boundary: host 0 first sends a last
+        report and every fragment with unsent work (a graceful leave loses nothing)."""
+        self._leaving = True
+        self.stop(f"left: {reason}")
 
     def stop(self, reason: str = "stopped by the driver") -> None:
         """Finish at the next step boundary (in a multi-host learner, host 0 decides)."""
@@ -169,7 +177,8 @@ class LearnerHost:
             logger.exception("learner %s host %d failed", self.name, self.host_index)
             self._set_state(LearnerState.DEAD, f"{type(err).__name__}: {err}")
             return
-        self._set_state(LearnerState.FINISHED, self.stop_reason or "stopped")
+        done = LearnerState.LEFT if self._leaving else LearnerState.FINISHED
+        self._set_state(done, self.stop_reason or "stopped")
 
     def _run(self) -> None:
         from ray_diloco.actors import spmd
@@ -249,6 +258,8 @@ class LearnerHost:
                 self.metrics.tokens(self.name, core.tokens_per_step)
                 self.metrics.step_time(self.name, step_time)
             if not self._step_boundary(core, link, channel):
+                if self._leaving and channel is not None:
+                    channel.farewell(core, self.loss)
                 return
 
     def _step_boundary(self, core: LearnerCore, link: Any, channel: SyncChannel | None) -> bool:

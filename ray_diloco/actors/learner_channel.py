@@ -168,5 +168,19 @@ class SyncChannel:
                 verdict = f"error_{classify_ray_error(err)}"
             self.counts[f"offer_{verdict}"] += 1
 
+    def farewell(self, core: LearnerCore, loss: float | None, timeout_s: float = 60.0) -> None:
+        """Leaving the run for good: a last progress report (the ledger's cursor) and the last
+        contributions, delivered before this returns, so no finished work is lost."""
+        report: Any = self.sync.report.remote(
+            self.name, self.incarnation, core.step, None, core.cursor, loss
+        )
+        self.offer(core.final_offers())
+        self.sender.close(drain_s=timeout_s)  # the emulated uplink delivers what it holds
+        try:
+            ray.get([report, *self._offers], timeout=timeout_s)
+        except ray.exceptions.RayError as err:
+            logger.warning("learner %s: farewell not fully delivered: %s", self.name, err)
+        self._offers.clear()
+
     def close(self) -> None:
         self.sender.close()

@@ -28,6 +28,7 @@ class LearnerState(enum.StrEnum):
     RESTARTING = "restarting"
     GAVE_UP = "gave_up"
     FINISHED = "finished"
+    LEFT = "left"  # left the run on purpose (a request, a drained node, retired): no failure
 
 
 class FailureKind(enum.StrEnum):
@@ -133,6 +134,30 @@ class LearnerStateChanged(Event):
     incarnation: int
     state: LearnerState
     reason: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class LearnerJoined(Event):
+    """A learner joined the running job (`reason`: requested, scavenged, scheduled)."""
+
+    kind: ClassVar[str] = "learner_joined"
+    learner: str
+    region: str
+    accelerator: str
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class LearnerLeft(Event):
+    """A learner left the run for good, on purpose: not a failure. `tokens_returned`: its
+    unread leased data, given back to the pool."""
+
+    kind: ClassVar[str] = "learner_left"
+    learner: str
+    reason: str
+    tokens_returned: int = 0
 
 
 @_register
