@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--address {address}: no Ray cluster there ({err})") from None
     name = supervisor_name(cfg)
     try:
-        sup = ray.get_actor(name, namespace=cfg.synchronizer.namespace)
+        sup: Any = ray.get_actor(name, namespace=cfg.synchronizer.namespace)
     except ValueError:
         raise ConfigError(
             f"{args.run_dir}: no running job (its supervisor {name!r} is not in namespace "
