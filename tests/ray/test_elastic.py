@@ -4,6 +4,7 @@ token ledger stays exact."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -72,10 +73,8 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
     deadline = time.monotonic() + 120
     while sync is None or ray.get(sync.status.remote(), timeout=30)["rounds"] < 5:
         assert time.monotonic() < deadline and thread.is_alive(), "the run did not start"
-        try:
+        with contextlib.suppress(ValueError):
             sync = ray.get_actor("sync-scale", namespace=cfg.synchronizer.namespace)
-        except ValueError:
-            pass
         time.sleep(0.5)
     address = ray.get_runtime_context().gcs_address
     out = _scale(run_dir, address, "--add", "name=extra,batch_size=8")
