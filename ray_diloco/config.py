@@ -213,6 +213,10 @@ class ElasticConfig(_Frozen):
     templates: tuple[LearnerGroupConfig, ...] = ()
     scavenge_interval_s: float = Field(2.0, gt=0)
     schedule: tuple[MembershipChange, ...] = ()
+    # The reference run's data-parallel baseline re-meshes on every membership change (new
+    # collectives, a recompiled step): Gemini reports tens of seconds per elastic
+    # reconfiguration; 30 inner steps is that at a one-second step.
+    remesh_steps: int = Field(30, ge=0, description="data-parallel pause per change, in steps")
 
 
 class MetricsConfig(_Frozen):

@@ -59,6 +59,7 @@ class _Sim:
     queue: list[tuple[float, int, str, Any]] = field(default_factory=list)
     seq: itertools.count = field(default_factory=itertools.count)
     evals: list[dict[str, float]] = field(default_factory=list)
+    num_evals: int = NUM_EVALS
     final_params: dict[str, Any] = field(default_factory=dict)  # the last evaluated
 
     def push(self, t: float, kind: str, payload: Any) -> None:
@@ -73,17 +74,24 @@ class _Sim:
 
 
 def run_reference(
-    cfg: RunConfig, progress: Progress | None = None, setup: Setup | None = None
+    cfg: RunConfig,
+    progress: Progress | None = None,
+    setup: Setup | None = None,
+    num_evals: int = NUM_EVALS,
 ) -> dict[str, Any]:
-    """Run `cfg` in process and return its summary (see `summarize_diloco`)."""
-    return reference_run(cfg, progress, setup)[0]
+    """Run `cfg` in process and return its summary (see `summarize_diloco`); the global
+    parameters are evaluated `num_evals` times over the token budget (and at the end)."""
+    return reference_run(cfg, progress, setup, num_evals)[0]
 
 
 def reference_run(
-    cfg: RunConfig, progress: Progress | None = None, setup: Setup | None = None
+    cfg: RunConfig,
+    progress: Progress | None = None,
+    setup: Setup | None = None,
+    num_evals: int = NUM_EVALS,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """`run_reference`'s summary and the final global parameters (a flat dict)."""
-    sim = _Sim(setup or Setup.build(cfg), progress)
+    sim = _Sim(setup or Setup.build(cfg), progress, num_evals=num_evals)
     summary = _run_data_parallel(sim) if cfg.diloco.mode == "data_parallel" else _run_diloco(sim)
     return summary, sim.final_params
 
@@ -132,11 +140,13 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             num_parts=cfg.data_parts,
         )
 
-    def join(lg: LearnerGroupConfig, t: float) -> None:
+    def join(lg: LearnerGroupConfig, t: float, booted_s: float = 0.0) -> None:
+        """`lg` registers at `t` after booting for `booted_s` (allocated from then on)."""
         i = len(learners)
         index[lg.name] = i
-        learners.append(_Learner(lg, admit(lg, 0, t), StepClock(cfg, lg, i), start_s=t))
-        dt = learners[i].clock.next()
+        clock = StepClock(cfg, lg, i)
+        learners.append(_Learner(lg, admit(lg, 0, t), clock, start_s=t - booted_s))
+        dt = clock.next()
         sim.push(t + dt, "step", (i, dt, 0))
 
     for lg in cfg.learners:
@@ -146,7 +156,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
         sim.push(t, "fail", i)
     for change in cfg.elastic.schedule:
         sim.push(change.at_s, "membership", change)
-    next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
+    next_eval, eval_every = 0, max(1, cfg.token_budget // sim.num_evals)
     now = 0.0
 
     def send(j: int, fragment: int, version: int, encoded: Any, t: float) -> None:
@@ -230,9 +240,11 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             ln.core = admit(ln.cfg, ln.core.incarnation + 1, now)
             ln.alive = True
             step_boundary(payload, now)
+        elif kind == "booted":
+            join(payload, now, booted_s=cfg.chaos.restart_s)
         elif kind == "membership":
-            if payload.join is not None:
-                join(payload.join, now)
+            if payload.join is not None:  # it boots and compiles, then registers
+                sim.push(now + cfg.chaos.restart_s, "booted", payload.join)
             else:
                 # A graceful leave: the learner offers every fragment it has unsent work on,
                 # leaves the quorum and gives its unread data back to the pool.
@@ -274,11 +286,15 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
         name="data_parallel", batch_size=sum(lg.batch_size for lg in cfg.learners)
     )
     core = LearnerCore(cfg, whole, setup.task, setup.layout, setup.plan, _full_snapshot(setup))
-    clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
+    # The hosts by name: the configured learners', and those of `elastic.schedule` joins, which
+    # the job takes in by re-meshing (a pause) and then shares its fixed global batch with.
+    hosts = {lg.name: (lg, StepClock(cfg, lg, i)) for i, lg in enumerate(cfg.learners)}
+    changes = sorted(cfg.elastic.schedule, key=lambda c: c.at_s)
     allreduce_bytes = 2 * setup.param_bytes()
     comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
-    now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // NUM_EVALS)
-    busy = [0.0] * len(clocks)
+    now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // sim.num_evals)
+    busy = 0.0  # host-seconds of steps
+    allocated = 0.0  # host-seconds the job held
     horizon = sim_faults.horizon(cfg, setup.task.data.tokens_per_example)
     failures = [t for t, _ in sim_faults.failure_times(cfg, horizon)]
     ckpt = sim_faults.DataParallelCheckpoint.take(core)
@@ -290,25 +306,39 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
             # One host down stops the whole job: restart, roll back to the last checkpoint and
             # redo the steps since; failures while it is down hit nothing new.
             struck.append(failures[0])
-            lost += sum(busy) - busy_at_ckpt
-            busy_at_ckpt = sum(busy)
+            lost += busy - busy_at_ckpt
+            busy_at_ckpt = busy
             ckpt.restore(core)
+            allocated += len(hosts) * cfg.chaos.restart_s
             now += cfg.chaos.restart_s
             failures = [t for t in failures if t > now]
+        while changes and changes[0].at_s <= now:
+            change = changes.pop(0)
+            if change.join is not None:
+                hosts[change.join.name] = (change.join, StepClock(cfg, change.join, len(hosts)))
+            elif change.leave is not None:
+                hosts.pop(change.leave, None)
+            # Every change re-meshes the whole job (new collectives, a recompiled step).
+            allocated += len(hosts) * cfg.elastic.remesh_steps * cfg.step_time_s
+            now += cfg.elastic.remesh_steps * cfg.step_time_s
         core.train_step(*core.next_batch())
-        times = [c.next() for c in clocks]
-        busy = [b + t for b, t in zip(busy, times, strict=True)]
-        now += max(times) + comm
+        # The global batch is split over the hosts by their batch sizes: more hosts, less each.
+        share = whole.batch_size / sum(lg.batch_size for lg, _ in hosts.values())
+        times = [clock.next() * share for _, clock in hosts.values()]
+        busy += sum(times)
+        step = max(times) + comm
+        allocated += len(hosts) * step
+        now += step
         step_times.append(now)
         if core.step % cfg.chaos.dp_checkpoint_every_steps == 0:
-            ckpt, busy_at_ckpt = sim_faults.DataParallelCheckpoint.take(core), sum(busy)
+            ckpt, busy_at_ckpt = sim_faults.DataParallelCheckpoint.take(core), busy
         if core.cursor >= next_eval:
             sim.eval_point(now, core.cursor, core.params)
             next_eval += eval_every
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
     return {
-        "goodput": _goodput([sum(busy) - lost], [now * len(busy)]),
+        "goodput": _goodput([busy - lost], [allocated]),
         "uptime": uptime(step_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,

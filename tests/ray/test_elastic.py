@@ -69,17 +69,24 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
         target=lambda: result.update(summary=run_training(cfg, progress=lambda line: None))
     )
     thread.start()
-    sync = None
-    deadline = time.monotonic() + 120
-    while sync is None or ray.get(sync.status.remote(), timeout=30)["rounds"] < 5:
+    sync: Any = None
+
+    def status() -> dict[str, Any]:
+        """The synchronizer's status, {} while it is not up yet (it builds the task first)."""
+        nonlocal sync
+        with contextlib.suppress(ValueError, ray.exceptions.GetTimeoutError):
+            sync = sync or ray.get_actor("sync-scale", namespace=cfg.synchronizer.namespace)
+            return dict(ray.get(sync.status.remote(), timeout=10))
+        return {}
+
+    deadline = time.monotonic() + 180
+    while status().get("rounds", 0) < 5:
         assert time.monotonic() < deadline and thread.is_alive(), "the run did not start"
-        with contextlib.suppress(ValueError):
-            sync = ray.get_actor("sync-scale", namespace=cfg.synchronizer.namespace)
         time.sleep(0.5)
     address = ray.get_runtime_context().gcs_address
     out = _scale(run_dir, address, "--add", "name=extra,batch_size=8")
     assert "learner extra joins the run" in out
-    while ray.get(sync.status.remote(), timeout=30)["contributions_merged"].get("extra", 0) < 3:
+    while status().get("contributions_merged", {}).get("extra", 0) < 3:
         assert time.monotonic() < deadline + 60 and thread.is_alive(), "extra never contributed"
         time.sleep(0.5)
     assert "extra" in _scale(run_dir, address, "--list")
