@@ -4,6 +4,7 @@
                                                                        RAY_ADDRESS)
   ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
   ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
+  ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
 
 Printing to the terminal happens here (and in the progress display) only.
 """
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from ray_diloco.sim.goodput_cli import simulate_goodput_main
 
         return simulate_goodput_main(argv[1:])
+    if argv and argv[0] == "simulate-bandwidth":
+        from ray_diloco.sim.bandwidth_cli import simulate_bandwidth_main
+
+        return simulate_bandwidth_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
     _add_config_args(simulate)
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
+    sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:

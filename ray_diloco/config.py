@@ -327,6 +327,53 @@ class GoodputSimConfig(_Frozen):
         return self
 
 
+class BandwidthSimConfig(_Frozen):
+    """Cross-datacenter bandwidth of data-parallel training against Decoupled DiLoCo
+    (algorithm.md section 9; `ray-diloco simulate-bandwidth`). The defaults are this
+    project's method settings; `PRESETS` in `sim/bandwidth_sim.py` holds the assumptions that
+    reproduce the published pair (198 vs 0.84 Gbps across 8 datacenters)."""
+
+    model_params: float = Field(
+        12e9, gt=0, description="parameters; 12B, the model of the published four-region run"
+    )
+    step_time_s: float = Field(
+        1.7,
+        gt=0,
+        description="inner step time. Not published; 1.7 s puts a 12B model's bfloat16 "
+        "all-reduce across 8 datacenters at the published 198 Gbps",
+    )
+    datacenters: int = Field(8, ge=2, description="sites the run spans, one WAN link each")
+    learners_per_datacenter: int = Field(1, ge=1)
+    dp_wire: WireDtype = Field(
+        "bfloat16", description="data-parallel gradient dtype in the all-reduce"
+    )
+    sync_every: int = Field(24, ge=1, description="H")
+    num_fragments: int = Field(24, ge=1, description="P; P = H: one fragment due per step")
+    overlap_steps: int = Field(
+        2, ge=0, description="tau: steps a fragment's exchange overlaps with (0: none)"
+    )
+    wire_up: WireDtype = Field("int4", description="outer gradients, learner to synchronizer")
+    wire_down: WireDtype | None = Field(
+        None,
+        description="published fragments; None: what the synchronizer publishes for wire_up "
+        "(wire.publish_dtype: bfloat16 unless the wire is float32)",
+    )
+    int4_block_size: int = Field(64, ge=2)
+    latency_ms: float = Field(
+        20.0, ge=0, description="one-way WAN latency between datacenters (US cross-country)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> BandwidthSimConfig:
+        if self.num_fragments > self.sync_every:
+            raise ValueError(
+                f"bandwidth_sim.num_fragments={self.num_fragments} > bandwidth_sim.sync_every="
+                f"{self.sync_every}: a fragment would be due more than once per window; use "
+                "num_fragments <= sync_every"
+            )
+        return self
+
+
 class RunConfig(_Frozen):
     """The whole run."""
 
@@ -356,6 +403,7 @@ class RunConfig(_Frozen):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     goodput_sim: GoodputSimConfig = GoodputSimConfig()
+    bandwidth_sim: BandwidthSimConfig = BandwidthSimConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
