@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -133,6 +134,8 @@ def _write(
         "machine": machine(),
         "date": dt.date.today().isoformat(),
         "preset": args.preset,
+        # The machine is shared: CPU seconds are the figure to compare, the load says how busy.
+        "load_avg_1min": os.getloadavg()[0],
         **timing,
     }
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
@@ -148,8 +151,8 @@ def _write(
     )
     gs = cfg.goodput_sim
     title = (
-        f"Goodput under one failure trace ({args.preset}: {gs.learner_mode} learners, "
-        f"{gs.duration_days:g} days, one chip-year between interruptions)"
+        f"Goodput under one failure trace ({args.preset} settings, {gs.learner_mode} learners)\n"
+        f"{gs.duration_days:g} days, {gs.mtbi_chip_days:g} chip-days between interruptions"
     )
     plot(rows, paths[2], title)
     return paths
