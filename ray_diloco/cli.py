@@ -6,6 +6,7 @@
   ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
   ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
   ray-diloco scale RUN_DIR --add 'name=x,...' | --remove NAME       learners join/leave a run
+  ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
 
 Printing to the terminal happens here (and in the progress display) only.
 """
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+    if argv and argv[0] == "simulate-bandwidth":
+        from ray_diloco.sim.bandwidth_cli import simulate_bandwidth_main
+
+        return simulate_bandwidth_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
     sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
     sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
+    sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:

@@ -123,6 +123,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     struck: list[float] = []  # when a failure hit a live learner (plots mark them)
     learners: list[_Learner] = []
     index: dict[str, int] = {}
+    booting: set[str] = set()  # scheduled joiners not registered yet
 
     def admit(lg: LearnerGroupConfig, incarnation: int, t: float) -> LearnerCore:
         a = sync.register(lg.name, incarnation, t)
@@ -241,10 +242,15 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             ln.alive = True
             step_boundary(payload, now)
         elif kind == "booted":
-            join(payload, now, booted_s=cfg.chaos.restart_s)
+            if payload.name in booting:  # (a leave during its boot cancelled it)
+                booting.discard(payload.name)
+                join(payload, now, booted_s=cfg.chaos.restart_s)
         elif kind == "membership":
             if payload.join is not None:  # it boots and compiles, then registers
+                booting.add(payload.join.name)
                 sim.push(now + cfg.chaos.restart_s, "booted", payload.join)
+            elif payload.leave in booting:
+                booting.discard(payload.leave)  # it leaves before it ever trained
             else:
                 # A graceful leave: the learner offers every fragment it has unsent work on,
                 # leaves the quorum and gives its unread data back to the pool.
