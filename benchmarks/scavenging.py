@@ -37,8 +37,9 @@ PUBLISHED = {
 WINDOW = (0.25, 0.75)  # temporary learners present during this part of the base duration
 TARGET_AT = 0.8  # the target loss: the base run's at this fraction of the token budget
 NUM_EVALS = 40
-BUDGET = ["token_budget=1000000"]
-QUICK = [*QUICK_MODEL, "token_budget=120000"]
+BUDGET = ["token_budget=2000000"]
+# A smoke setting: a run of ~1 virtual s, so boots and re-meshes are scaled down with it.
+QUICK = [*QUICK_MODEL, "token_budget=120000", "chaos.restart_s=0.05", "elastic.remesh_steps=2"]
 
 
 def config(mode: str, extra: int, base_s: float, quick: bool) -> RunConfig:

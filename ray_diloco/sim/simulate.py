@@ -318,13 +318,14 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
             allocated += len(hosts) * cfg.chaos.restart_s
             now += cfg.chaos.restart_s
             failures = [t for t in failures if t > now]
-        while changes and changes[0].at_s <= now:
-            change = changes.pop(0)
-            if change.join is not None:
-                hosts[change.join.name] = (change.join, StepClock(cfg, change.join, len(hosts)))
-            elif change.leave is not None:
-                hosts.pop(change.leave, None)
-            # Every change re-meshes the whole job (new collectives, a recompiled step).
+        if changes and changes[0].at_s <= now:
+            while changes and changes[0].at_s <= now:  # every change due: one re-mesh
+                change = changes.pop(0)
+                if change.join is not None:
+                    hosts[change.join.name] = (change.join, StepClock(cfg, change.join, len(hosts)))
+                elif change.leave is not None:
+                    hosts.pop(change.leave, None)
+            # A re-mesh pauses the whole job (new collectives, a recompiled step).
             allocated += len(hosts) * cfg.elastic.remesh_steps * cfg.step_time_s
             now += cfg.elastic.remesh_steps * cfg.step_time_s
         core.train_step(*core.next_batch())
