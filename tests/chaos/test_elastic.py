@@ -79,7 +79,7 @@ def _check_exact(summary: dict[str, Any], budget: int) -> None:
 def test_a_node_added_mid_run_gets_a_scavenged_learner(tpu_cluster: Any, tmp_path: Path) -> None:
     template = {"name": "spare", "region": SPARE_REGION, "batch_size": 8, "speed": 1.0}
     cfg = _config(
-        tmp_path, "scavenge", 96_000, scavenge=True, templates=[template], scavenge_interval_s=1
+        tmp_path, "scavenge", 400_000, scavenge=True, templates=[template], scavenge_interval_s=1
     )
     run = Background(cfg)
     run.wait_for("rounds", lambda ev: _rounds(ev) >= 10)
@@ -102,7 +102,7 @@ def test_a_drained_node_loses_its_learner_gracefully(tpu_cluster: Any, tmp_path:
     from ray.core.generated import autoscaler_pb2
 
     node = add_cpu_host(tpu_cluster.cluster, SPARE_REGION)
-    tree_cfg = _config(tmp_path, "drain", 96_000)
+    tree_cfg = _config(tmp_path, "drain", 400_000)
     tree = tree_cfg.model_dump(mode="json")
     tree["learners"].append(
         {"name": "asia", "region": SPARE_REGION, "batch_size": 8, "jitter": 0.1}
@@ -110,7 +110,7 @@ def test_a_drained_node_loses_its_learner_gracefully(tpu_cluster: Any, tmp_path:
     cfg = build_config(tree, "elastic test drain")
     run = Background(cfg)
     try:
-        run.wait_for("rounds", lambda ev: _rounds(ev) >= 15)
+        run.wait_for("rounds", lambda ev: _rounds(ev) >= 10)
         # A preemption notice with a minute to go: the learner has time to leave gracefully.
         gcs = ray._raylet.GcsClient(address=tpu_cluster.cluster.address)  # type: ignore[attr-defined]
         reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
