@@ -296,9 +296,12 @@ def render(plan: Plan) -> str:
             if shape is not None
             else f"{lg.accelerator}: {lg.num_hosts} host(s) x {lg.cpus_per_host:g} CPUs"
         )
-        where = site.pool.source if site.pool is not None else "NOT PLACED"
+        where = f"on {site.pool.source}" if site.pool is not None else "NOT PLACED (see problems)"
         zone = f" ({site.pool.zone})" if site.pool is not None and site.pool.zone else ""
-        lines.append(f"  {lg.name:<10} region {lg.region}{zone}, {what}, {site.strategy}; {where}")
+        lines += [
+            f"  {lg.name:<10} {what} in {lg.region}{zone}; {site.strategy}",
+            f"  {'':<10} {where}",
+        ]
     lines.append(
         f"links to the synchronizer at step_time_s={cfg.step_time_s:g} "
         f"(down: at most, every round with K contributions):"

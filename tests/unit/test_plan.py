@@ -29,12 +29,19 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
     return rc, out, err
 
 
+def _learner(out: str, name: str) -> str:
+    """The learner's two lines of the plan, joined."""
+    lines = out.splitlines()
+    (i,) = [i for i, ln in enumerate(lines) if ln.strip().startswith(name)]
+    return lines[i] + lines[i + 1]
+
+
 def test_plan_of_the_gke_job(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _plan(capsys, "--config", "jobs/cluster-gke.yaml")
     assert (rc, err) == (0, "")
     assert "problems: none" in out
     assert "GCS fault tolerance on (Redis)" in out and "synchronizer  on the head" in out
-    (v6e,) = [ln for ln in out.splitlines() if ln.strip().startswith("v6e-0")]
+    v6e = _learner(out, "v6e-0")
     assert "2 host(s) x 4 chips" in v6e and "worker group 'v6e-2x4'" in v6e
     assert "us-east5-b" in v6e and "bundle i on TPU worker i" in v6e
 
@@ -44,7 +51,7 @@ def test_plan_of_the_multi_region_job_and_a_shape_mismatch(
 ) -> None:
     rc, out, _ = _plan(capsys, "--config", "jobs/cluster-v5p-v6e.yaml")
     assert rc == 0
-    (v6e,) = [ln for ln in out.splitlines() if ln.strip().startswith("v6e-0")]
+    v6e = _learner(out, "v6e-0")
     assert "1 host(s) x 8 chips" in v6e and "europe-west4-v6e.yaml" in v6e
     (eu,) = [ln for ln in out.splitlines() if ln.strip().startswith("europe-west4")]
     assert "2 Gbps real" in eu and "% used" in eu
