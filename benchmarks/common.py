@@ -19,12 +19,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
 # --quick: a tiny model (P = H = 8 fits its 20 leaves) so a smoke run takes seconds.
 QUICK_MODEL = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.d_ff=64",
+    "task_args.model.d_model=32",
+    "task_args.model.num_layers=2",
+    "task_args.model.d_ff=64",
     "diloco.sync_every=8",
     "diloco.num_fragments=8",
-    "data.eval_batches=2",
+    "task_args.data.eval_batches=2",
 ]
 
 

@@ -4,6 +4,7 @@
                                                                        RAY_ADDRESS)
   ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
   ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
+  ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
   ray-diloco plan --config jobs/cluster-gke.yaml [--cluster FILE ...] dry run on a real cluster:
                                                                        placement, link loads,
                                                                        problems (exit 1 if any)
@@ -16,12 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
-from ray_diloco.config import ConfigError, RunConfig, dump_config, load_config
+from ray_diloco.config import ConfigError, load_config
 from ray_diloco.log import setup_logging
-from ray_diloco.report import progress_line, summary_table, write_json
+from ray_diloco.report import summary_table
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -37,37 +37,26 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
-def _load(args: argparse.Namespace) -> RunConfig:
-    cfg = load_config(args.config, args.overrides)
-    dump_config(cfg, Path(cfg.run_dir) / "config.json")
-    return cfg
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ray_diloco.sim.simulate import run_reference
+    from ray_diloco.api import Trainer
 
-    cfg = _load(args)
+    cfg = load_config(args.config, args.overrides)
     print(
-        f"simulate: mode={cfg.diloco.mode} learners={cfg.num_learners} "
+        f"simulate: task={cfg.task} mode={cfg.diloco.mode} learners={cfg.num_learners} "
         f"P={cfg.diloco.num_fragments} H={cfg.diloco.sync_every} K={cfg.diloco.quorum_min} "
         f"wire={cfg.diloco.wire_dtype} budget={cfg.token_budget} tokens",
         flush=True,
     )
-    t0 = time.perf_counter()
-    summary = run_reference(
-        cfg, progress=lambda p: print(progress_line(p, cfg.token_budget), flush=True)
-    )
-    summary["wall_time_s"] = time.perf_counter() - t0
-    write_json(Path(cfg.run_dir) / "summary.json", summary)
-    print(summary_table(summary))
-    print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
+    result = Trainer(config=cfg).simulate(progress=True)
+    print(summary_table(result.metrics))
+    print(f"wrote {result.path / 'summary.json'}")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ray_diloco.driver import run_training
 
-    cfg = _load(args)
+    cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, address=args.address, stop_synchronizer=not args.keep_synchronizer)
     print(summary_table(summary))
     print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
@@ -84,7 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = files.read_cluster_files(paths)
     # The fragment plan evaluates parameter shapes only; never let JAX open an accelerator.
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ray_diloco.sim.simulate import fragment_plan
+    from ray_diloco.algorithm.setup import fragment_plan
 
     result = plan.make_plan(cfg, cluster, fragment_plan(cfg).sizes)
     print(plan.render(result))
@@ -97,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         from ray_diloco.sim.goodput_cli import simulate_goodput_main
 
         return simulate_goodput_main(argv[1:])
+    if argv and argv[0] == "prepare-data":
+        from ray_diloco.tasks.prepare import main as prepare_main
+
+        try:
+            return prepare_main(argv[1:])
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
@@ -114,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
     _add_config_args(simulate)
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
+    sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
     plan = sub.add_parser(
         "plan", help="dry run on a real cluster: placement, link loads, problems; starts nothing"
     )

@@ -25,47 +25,9 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ModelConfig(_Frozen):
-    """Decoder-only byte-level transformer (algorithm/model.py)."""
-
-    vocab_size: int = Field(256, ge=2)
-    d_model: int = Field(96, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    d_ff: int = Field(384, ge=8)
-    seq_len: int = Field(64, ge=4)
-    tie_embeddings: bool = False
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.num_heads="
-                f"{self.num_heads}; pick a head count that divides d_model"
-            )
-        return self
-
-    @property
-    def num_leaves(self) -> int:
-        """Parameter leaves of algorithm/model.py: token and position embeddings, 8 per block
-        (2 norms, q/k/v/o, up/down), the final norm and, unless tied, the output projection.
-        A unit test pins this against the real model."""
-        return 2 + 8 * self.num_layers + 1 + (0 if self.tie_embeddings else 1)
-
-
-class DataConfig(_Frozen):
-    """Byte-level corpus (algorithm/data.py). `paths` empty means: the Python stdlib source."""
-
-    source: Literal["files", "synthetic"] = "files"
-    paths: tuple[str, ...] = ()
-    heldout_fraction: float = Field(0.02, gt=0.0, lt=0.5)
-    max_corpus_bytes: int = Field(24_000_000, ge=10_000)
-    eval_batches: int = Field(8, ge=1)
-    eval_batch_size: int = Field(32, ge=1)
-
-
 class InnerOptimizerConfig(_Frozen):
-    """AdamW with linear warm-up and cosine decay to `final_lr_fraction * lr`."""
+    """The default inner optimizer (a task may bring its own): AdamW with linear warm-up and
+    cosine decay to `final_lr_fraction * lr`."""
 
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
@@ -128,7 +90,7 @@ class LearnerGroupConfig(_Frozen):
     topology: str | None = None
     num_hosts: int = Field(1, ge=1)
     region: str = "local"
-    batch_size: int = Field(32, description="sequences per inner step, whole learner")
+    batch_size: int = Field(32, description="examples per inner step, whole learner")
     speed: float = Field(1.0, gt=0, description="emulated speed factor; 0.82 is 18% slower")
     jitter: float = Field(0.0, ge=0, lt=1, description="relative per-step time noise (std)")
     cpus_per_host: float = Field(1.0, gt=0)
@@ -162,7 +124,7 @@ class LearnerGroupConfig(_Frozen):
     def _check(self) -> LearnerGroupConfig:
         if self.batch_size <= 0:
             raise ValueError(
-                f"learner {self.name!r}: batch_size={self.batch_size} must be >= 1 sequence"
+                f"learner {self.name!r}: batch_size={self.batch_size} must be >= 1 example"
             )
         if self.accelerator.startswith("tpu") and not self.topology:
             raise ValueError(
@@ -330,8 +292,11 @@ class RunConfig(_Frozen):
     # run takes the same wall time on any machine fast enough (the chaos tests rely on it).
     pace: Literal["compute", "step_time"] = "compute"
     sync_time_s: float = Field(0.01, ge=0, description="virtual merge+publish time in simulate")
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
+    # What gets trained (ray_diloco/task.py): a factory named by import path, called with
+    # `task_args` as keyword arguments. The default is the built-in byte-level language model
+    # on the Python standard library's source (no download).
+    task: str = "ray_diloco.tasks.byte_lm:make_task"
+    task_args: dict[str, Any] = Field(default_factory=dict)
     inner: InnerOptimizerConfig = InnerOptimizerConfig()
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
     diloco: DilocoConfig = DilocoConfig()
@@ -365,12 +330,6 @@ class RunConfig(_Frozen):
                 f"diloco.num_fragments={d.num_fragments} > diloco.sync_every={d.sync_every}: "
                 "a fragment would be due more than once per window; use num_fragments <= sync_every"
             )
-        if d.num_fragments > self.model.num_leaves:
-            raise ValueError(
-                f"diloco.num_fragments={d.num_fragments} exceeds the model's "
-                f"{self.model.num_leaves} parameter leaves (a leaf is never split); lower "
-                "diloco.num_fragments or raise model.num_layers"
-            )
         if d.overlap_steps >= d.sync_every:
             raise ValueError(
                 f"diloco.overlap_steps={d.overlap_steps} must be < diloco.sync_every="
@@ -395,10 +354,6 @@ class RunConfig(_Frozen):
     def num_learners(self) -> int:
         return len(self.learners)
 
-    @property
-    def tokens_per_step(self) -> dict[str, int]:
-        return {lg.name: lg.batch_size * self.model.seq_len for lg in self.learners}
-
 
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
     if "=" not in dotted:
@@ -422,13 +377,14 @@ def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
         node[parts[-1]] = value
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted field (after `prefix`) and the fix."""
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = prefix + ".".join(str(p) for p in e["loc"]) if e["loc"] else "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; check the spelling against ray_diloco/config.py"
+            msg = "unknown key; check the spelling against the schema"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
@@ -437,7 +393,7 @@ def build_config(tree: dict[str, Any], source: str = "<dict>") -> RunConfig:
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, source)) from None
+        raise ConfigError(format_validation_error(err, source)) from None
 
 
 def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
@@ -453,11 +409,16 @@ def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] 
             raise ConfigError(f"{p}: top level must be a mapping of sections")
         tree = loaded or {}
         source = str(p)
+    apply_overrides(tree, overrides)
+    return build_config(tree, source)
+
+
+def apply_overrides(tree: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> None:
+    """Apply dotted `key.path=value` overrides to a config tree (in place)."""
     if overrides and "learners" not in tree and any(o.startswith("learners.") for o in overrides):
         tree["learners"] = [lg.model_dump() for lg in RunConfig().learners]
     for o in overrides:
         _set_dotted(tree, o)
-    return build_config(tree, source)
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:

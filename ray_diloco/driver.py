@@ -8,8 +8,9 @@ every `metrics.log_every_s` it reads both statuses, prints a progress line (toke
 rounds, goodput, uptime, restarts, recovery times) and appends it to `metrics.jsonl`. At the
 token budget it has the supervisor stop the learners, evaluates the global parameters once
 more, writes `summary.json`, shuts the supervisor down (learners killed, placement groups
-released) and (unless told to keep it) the synchronizer. The driver never imports JAX:
-everything that computes runs in the actors.
+released) and (unless told to keep it) the synchronizer. The driver computes nothing:
+everything that computes runs in the actors, except `check_task`, one training step of the
+task before any actor starts (after Ray, as JAX must start after Ray's processes fork).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def run_training(
     stop once their faults played out)."""
     embedded = _connect(cfg, address)
     try:
+        # Before any actor starts: a task that cannot be built, fragmented or trained ends
+        # the run here with one error line (JAX in the driver, after Ray has started).
+        from ray_diloco.algorithm.setup import check_task
+
+        logger.info("task checked: %s", check_task(cfg))
         run_dir, elapsed_s = _prepare_run_dir(cfg)
         cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd
         dump_config(cfg, run_dir / "config.json")
@@ -301,7 +307,7 @@ def _summary(
     supervisor measured from the event tape: goodput, uptime, restarts, faults and recovery."""
     tokens, wall_s = st["tokens"], time.time() - t0
     up, down = sum(st["bytes_up"].values()), sum(st["bytes_down"].values())
-    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * cfg.model.seq_len
+    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * st["tokens_per_example"]
     dp_per_token = 2 * 4 * st["num_params"] * cfg.num_learners / tokens_per_dp_step
     names = [lg.name for lg in cfg.learners]
     final, watched = sup["final"], sup.get("learners", {})

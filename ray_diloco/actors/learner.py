@@ -173,32 +173,34 @@ class LearnerHost:
 
     def _run(self) -> None:
         from ray_diloco.actors import spmd
-        from ray_diloco.sim import simulate
-        from ray_diloco.tasks import transformer as model
+        from ray_diloco.algorithm import setup
 
         leader = self.host_index == 0
         channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
         self.channel = channel
+        # The parameters' layout only (abstract shapes): their values come from the
+        # synchronizer (host 0) or by broadcast (the others), and computing them here would
+        # cost seconds of every restart.
+        task = setup.task_of(self.cfg)
+        tree = setup.layout_of(self.cfg, task)
         link: Any = spmd.LocalLink()
         layout, plan = None, None
         if self.num_hosts > 1:
-            # Layout only (abstract shapes, no parameters or data): host 0's values arrive by
-            # broadcast, and building them here cost seconds of every multi-host restart.
-            fragments = simulate.fragment_plan(self.cfg)
-            shapes = model.param_shapes(self.cfg.model)
-            link, layout = spmd.HostLink(fragments.fragments, shapes), spmd.SpmdLayout()
+            fragments = setup.fragment_plan(self.cfg, task)
+            link, layout = spmd.HostLink(fragments.fragments, tree.shapes), spmd.SpmdLayout()
             plan = None if leader else fragments
         try:
-            self._train(link, layout, channel, plan)
+            self._train(task, tree, link, layout, channel, plan)
         finally:
             if channel is not None:
                 channel.close()
             link.close()
 
-    def _train(self, link: Any, layout: Any, channel: SyncChannel | None, plan: Any) -> None:
+    def _train(
+        self, task: Any, tree: Any, link: Any, layout: Any, channel: SyncChannel | None, plan: Any
+    ) -> None:
         from ray_diloco.algorithm.learner_core import LearnerCore
         from ray_diloco.sim import simulate
-        from ray_diloco.tasks import byte_corpus as data
 
         cfg, lg = self.cfg, self.lg
         reply: dict[str, Any] = {"snapshot": None, "cursor": 0, "plan": plan}
@@ -208,9 +210,10 @@ class LearnerHost:
         core = LearnerCore(
             cfg,
             lg,
+            task,
+            tree,
             reply["plan"],
             snapshot,
-            data.load_corpus(cfg.data, cfg.seed).train,
             incarnation=self.incarnation,
             cursor=cursor,
             shard_index=self.index,

@@ -68,17 +68,19 @@ class SpmdLayout(DeviceLayout):
 
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(host))
 
-    def batch(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+    def batch(self, batch: Any) -> Any:
         # Every host reads the same global batch (a pure function of the cursor) and keeps
-        # its rows: the learner's global batch is exactly that of a single-host learner.
+        # its rows of every leaf: the learner's global batch is exactly that of a single-host
+        # learner.
         import jax
 
-        rows = x.shape[0] // self.count
-        part = slice(self.index * rows, (self.index + 1) * rows)
-        return (
-            jax.make_array_from_process_local_data(self.sharded, x[part], x.shape),
-            jax.make_array_from_process_local_data(self.sharded, y[part], y.shape),
-        )
+        def local(leaf: Any) -> Any:
+            leaf = np.asarray(leaf)
+            rows = leaf.shape[0] // self.count
+            part = leaf[self.index * rows : (self.index + 1) * rows]
+            return jax.make_array_from_process_local_data(self.sharded, part, leaf.shape)
+
+        return jax.tree.map(local, batch)
 
 
 class LocalLink:

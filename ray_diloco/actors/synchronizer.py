@@ -68,7 +68,7 @@ class Synchronizer:
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
         from ray_diloco.algorithm import checkpoint, links, sync_core
-        from ray_diloco.sim import simulate
+        from ray_diloco.algorithm.setup import Setup
 
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
@@ -77,7 +77,7 @@ class Synchronizer:
         self._lock = threading.Lock()
         self._ckpt_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self.setup = simulate.Setup.build(cfg)
+        self.setup = Setup.build(cfg)
         self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
         self.journal = Journal()
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
@@ -155,7 +155,8 @@ class Synchronizer:
                 "run": self.cfg.name,
                 "started_at": self.started_at,
                 "config_digest": config_digest(self.cfg),
-                "num_params": self.setup.param_bytes() // 4,
+                "num_params": self.setup.num_params(),
+                "tokens_per_example": self.setup.task.data.tokens_per_example,
                 "tokens": core.ledger.tokens_trained,
                 "rounds": rounds,
                 "versions": core.book.versions(),

@@ -21,30 +21,25 @@ import optax
 
 from ray_diloco.algorithm import inner, wire
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
+from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.algorithm.rounds import ContributionMeta
-from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, ModelConfig, RunConfig
-from ray_diloco.tasks import byte_corpus as data
+from ray_diloco.algorithm.setup import tokens_per_step, total_inner_steps
+from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, RunConfig
+from ray_diloco.task import Batch, Task
 
 logger = logging.getLogger(__name__)
 
 Snapshot = Mapping[int, tuple[int, Mapping[str, np.ndarray]]]
 
 
-def total_inner_steps(cfg: RunConfig, batch_size: int) -> int:
-    """Inner steps this learner takes if every learner shares the token budget by batch size;
-    the length of its learning-rate schedule."""
-    total_batch = sum(lg.batch_size for lg in cfg.learners)
-    return max(1, cfg.token_budget // (total_batch * cfg.model.seq_len))
-
-
 @functools.lru_cache(maxsize=8)
 def _compiled_step(
-    model_cfg: ModelConfig, inner_cfg: InnerOptimizerConfig, total_steps: int
+    task: Task, tree: TreeLayout, inner_cfg: InnerOptimizerConfig, total_steps: int
 ) -> tuple[optax.GradientTransformation, inner.TrainStep]:
-    """One jitted step per configuration, shared by every learner in the process (the
+    """One jitted step per task and schedule, shared by every learner in the process (the
     reference run has M of them): XLA compiles once instead of M times."""
-    tx = inner.make_inner_optimizer(inner_cfg, total_steps)
-    return tx, inner.make_train_step(model_cfg, tx)
+    tx = inner.inner_optimizer(task, inner_cfg, total_steps)
+    return tx, inner.make_train_step(task, tree, tx)
 
 
 class DeviceLayout:
@@ -55,18 +50,23 @@ class DeviceLayout:
     def param(self, host: np.ndarray) -> jax.Array:
         return jnp.asarray(host)
 
-    def batch(self, x: np.ndarray, y: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        return jnp.asarray(x), jnp.asarray(y)
+    def batch(self, batch: Batch) -> Batch:
+        return jax.tree.map(jnp.asarray, batch)
 
 
 class LearnerCore:
+    """`task` and `tree` (the parameters' layout) say what is trained, `plan` how it is cut into
+    fragments; the learner reads part `shard_index` of `num_shards` of the task's data from
+    token offset `cursor` on."""
+
     def __init__(
         self,
         cfg: RunConfig,
         learner: LearnerGroupConfig,
+        task: Task,
+        tree: TreeLayout,
         plan: FragmentPlan,
         snapshot: Snapshot,
-        train_tokens: np.ndarray,
         *,
         incarnation: int = 0,
         cursor: int = 0,
@@ -76,17 +76,17 @@ class LearnerCore:
         layout: DeviceLayout | None = None,
     ) -> None:
         self.cfg = cfg
+        self.task, self.tree = task, tree
         self.layout = layout or DeviceLayout()
         self.name = learner.name
         self.batch_size = learner.batch_size
         self.incarnation = incarnation
         self.plan = plan
-        self.train_tokens = train_tokens
         self.shard = (shard_index, num_shards)
-        self.tokens_per_step = learner.batch_size * cfg.model.seq_len
-        steps = total_steps or total_inner_steps(cfg, learner.batch_size)
-        self.tx, self.step_fn = _compiled_step(cfg.model, cfg.inner, steps)
-        self.cursor = cursor
+        self.tokens_per_step = tokens_per_step(task, learner)
+        steps = total_steps or total_inner_steps(cfg, task)
+        self.tx, self.step_fn = _compiled_step(task, tree, cfg.inner, steps)
+        self.seek(cursor)
         # A restarted learner continues its schedule where its data cursor says it was.
         self.step = cursor // self.tokens_per_step
         num_fragments = plan.num_fragments
@@ -101,7 +101,7 @@ class LearnerCore:
         self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
 
     def _fresh_opt_state(self) -> Any:
-        state = self.tx.init(self.params)
+        state = inner.init_opt_state(self.tx, self.tree, self.params)
         if self.step:
             # Move every step count (the schedule's and Adam's) to where this learner stands.
             state = optax.tree_utils.tree_set(state, count=jnp.asarray(self.step, jnp.int32))
@@ -143,10 +143,11 @@ class LearnerCore:
     ) -> None:
         host = {k: np.asarray(values[k], np.float32) for k in self.plan.fragments[p]}
         for k, g in host.items():
+            value = g.astype(self.tree.dtypes[k])  # the task's dtype (the wire carries float32)
             if alpha and k in self.params:
-                self.params[k] = alpha * self.params[k] + (1 - alpha) * self.layout.param(g)
+                self.params[k] = alpha * self.params[k] + (1 - alpha) * self.layout.param(value)
             else:
-                self.params[k] = self.layout.param(g)
+                self.params[k] = self.layout.param(value)
         # Decision (algorithm.md section 4): the inner optimizer state is kept.
         self.base_values[p] = host
         self.base_version[p] = version
@@ -155,21 +156,24 @@ class LearnerCore:
 
     # -- the inner loop -----------------------------------------------------------------------
 
-    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        x, y, _ = data.batch_at(
-            self.train_tokens, self.shard, self.cursor, self.batch_size, self.cfg.model.seq_len
-        )
-        return x, y
+    def seek(self, cursor: int) -> None:
+        """Read the data from token offset `cursor` of this learner's part on."""
+        self.cursor = cursor
+        self._batches = self.task.data.batches(*self.shard, cursor, self.batch_size)
 
-    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+    def next_batch(self) -> tuple[Batch, int]:
+        """The next batch and its number of tokens."""
+        return next(self._batches)
+
+    def train_step(self, batch: Batch, num_tokens: int) -> float:
         self.params, self.opt_state, loss = self.step_fn(
-            self.params, self.opt_state, *self.layout.batch(x, y)
+            self.params, self.opt_state, self.layout.batch(batch)
         )
         self.step += 1
-        self.cursor += self.tokens_per_step
+        self.cursor += num_tokens
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
-            self.tokens_since[p] += self.tokens_per_step
+            self.tokens_since[p] += num_tokens
         return float(loss)
 
     def blocked_on(self) -> list[int]:

@@ -11,62 +11,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm import inner, links
-from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
+from ray_diloco.algorithm import links
 from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.algorithm.wire import decode_tree, tree_bytes
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 from ray_diloco.sim import sim_faults
-from ray_diloco.tasks import byte_corpus as data
-from ray_diloco.tasks import transformer as model
 
 Progress = Callable[[dict[str, Any]], None]
 NUM_EVALS = 10  # held-out evaluations of the global parameters over a run
 UPTIME_WINDOW_STEPS = 20  # the global model is "up" in a window of this many inner steps
 # when it advanced at least once in it (algorithm.md section 9)
-
-
-@dataclass
-class Setup:
-    """What every run of a config shares: data, initial parameters, fragments, evaluation."""
-
-    cfg: RunConfig
-    corpus: data.Corpus
-    init: dict[str, Any]
-    plan: FragmentPlan
-    eval_fn: Callable[..., Any]
-    heldout: list[tuple[np.ndarray, np.ndarray]]
-
-    @classmethod
-    def build(cls, cfg: RunConfig) -> Setup:
-        corpus = data.load_corpus(cfg.data, cfg.seed)
-        init = model.init_params(cfg.model, cfg.seed)
-        plan = fragment_plan(cfg)
-        heldout = data.heldout_batches(corpus, cfg.data, cfg.model.seq_len)
-        return cls(cfg, corpus, init, plan, inner.make_eval_fn(cfg.model), heldout)
-
-    def evaluate(self, params: dict[str, Any]) -> float:
-        return inner.evaluate(self.eval_fn, params, self.heldout)
-
-    def param_bytes(self) -> int:
-        return 4 * model.num_params(self.init)
-
-
-def fragment_plan(cfg: RunConfig) -> FragmentPlan:
-    """The run's fragments (algorithm.md section 3), from the model's leaf shapes alone."""
-    shapes = model.param_shapes(cfg.model)
-    embedding = [k for k in shapes if model.is_embedding(k)]
-    sizes = {k: math.prod(shape) for k, shape in shapes.items()}
-    return plan_fragments(sizes, cfg.diloco.num_fragments, embedding)
 
 
 def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:
@@ -96,6 +59,7 @@ class _Sim:
     queue: list[tuple[float, int, str, Any]] = field(default_factory=list)
     seq: itertools.count = field(default_factory=itertools.count)
     evals: list[dict[str, float]] = field(default_factory=list)
+    final_params: dict[str, Any] = field(default_factory=dict)  # the last evaluated
 
     def push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, payload))
@@ -103,6 +67,7 @@ class _Sim:
     def eval_point(self, t: float, tokens: int, params: dict[str, Any], **extra: Any) -> None:
         point = {"t": t, "tokens": tokens, "heldout_loss": self.setup.evaluate(params), **extra}
         self.evals.append(point)
+        self.final_params = params
         if self.progress:
             self.progress(point)
 
@@ -110,25 +75,32 @@ class _Sim:
 def run_reference(
     cfg: RunConfig, progress: Progress | None = None, setup: Setup | None = None
 ) -> dict[str, Any]:
-    """Run `cfg` in process and return its summary (see `summarize`)."""
-    setup = setup or Setup.build(cfg)
-    if cfg.diloco.mode == "data_parallel":
-        return _run_data_parallel(setup, progress)
-    return _run_diloco(setup, progress)
+    """Run `cfg` in process and return its summary (see `summarize_diloco`)."""
+    return reference_run(cfg, progress, setup)[0]
 
 
-def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
+def reference_run(
+    cfg: RunConfig, progress: Progress | None = None, setup: Setup | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`run_reference`'s summary and the final global parameters (a flat dict)."""
+    sim = _Sim(setup or Setup.build(cfg), progress)
+    summary = _run_data_parallel(sim) if cfg.diloco.mode == "data_parallel" else _run_diloco(sim)
+    return summary, sim.final_params
+
+
+def _run_diloco(sim: _Sim) -> dict[str, Any]:
+    setup = sim.setup
     cfg = setup.cfg
-    sim = _Sim(setup, progress)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
     snapshot = sync.snapshot()
     learners = [
         LearnerCore(
             cfg,
             lg,
+            setup.task,
+            setup.layout,
             setup.plan,
             snapshot,
-            setup.corpus.train,
             shard_index=i,
             num_shards=cfg.num_learners,
         )
@@ -149,7 +121,8 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
         sync.register(lg.name, 0, 0.0)
         dt = clocks[i].next()
         sim.push(dt, "step", (i, dt, 0))
-    for t, i in sim_faults.failure_times(cfg, sim_faults.horizon(cfg)):
+    horizon = sim_faults.horizon(cfg, setup.task.data.tokens_per_example)
+    for t, i in sim_faults.failure_times(cfg, horizon):
         sim.push(t, "fail", i)
     next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
     now = 0.0
@@ -227,9 +200,10 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             learners[i] = LearnerCore(
                 cfg,
                 lg,
+                setup.task,
+                setup.layout,
                 setup.plan,
                 sync.snapshot(),
-                setup.corpus.train,
                 incarnation=incarnation,
                 cursor=sync.ledger.resume_cursor(lg.name),
                 shard_index=i,
@@ -261,27 +235,22 @@ def _rounds(sync: SynchronizerCore) -> int:
     return sum(sync.book.versions().values())
 
 
-def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any]:
+def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
     """One learner spanning all hosts: every step waits for the slowest host, then all-reduces
     the gradients (2 x parameter bytes per host per step, ring all-reduce)."""
+    setup = sim.setup
     cfg = setup.cfg
-    sim = _Sim(setup, progress)
     whole = LearnerGroupConfig(
         name="data_parallel", batch_size=sum(lg.batch_size for lg in cfg.learners)
     )
-    core = LearnerCore(
-        cfg,
-        whole,
-        setup.plan,
-        _full_snapshot(setup),
-        setup.corpus.train,
-    )
+    core = LearnerCore(cfg, whole, setup.task, setup.layout, setup.plan, _full_snapshot(setup))
     clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
     allreduce_bytes = 2 * setup.param_bytes()
     comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
     now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // NUM_EVALS)
     busy = [0.0] * len(clocks)
-    failures = [t for t, _ in sim_faults.failure_times(cfg, sim_faults.horizon(cfg))]
+    horizon = sim_faults.horizon(cfg, setup.task.data.tokens_per_example)
+    failures = [t for t, _ in sim_faults.failure_times(cfg, horizon)]
     ckpt = sim_faults.DataParallelCheckpoint.take(core)
     busy_at_ckpt, lost = 0.0, 0.0
     struck: list[float] = []  # when a failure stopped the job
@@ -351,7 +320,7 @@ def _common_summary(setup: Setup, evals: list[dict[str, float]], now: float) -> 
         "mode": cfg.diloco.mode,
         "heldout_loss": evals[-1]["heldout_loss"],
         "virtual_time_s": now,
-        "num_params": model.num_params(setup.init),
+        "num_params": setup.num_params(),
         "evals": evals,
     }
 
@@ -366,7 +335,9 @@ def summarize_diloco(
     cfg = setup.cfg
     tokens = sync.ledger.tokens_trained
     moved = sum(sync.bytes_up.values()) + sum(sync.bytes_down.values())
-    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * cfg.model.seq_len
+    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * (
+        setup.task.data.tokens_per_example
+    )
     dp_bytes = tokens / tokens_per_dp_step * 2 * setup.param_bytes() * cfg.num_learners
     merged = [a.contributions for a in sync.ledger.accounts.values()]
     rounds = _rounds(sync)

@@ -298,10 +298,9 @@ def _fragment_offer_bytes(cfg: RunConfig) -> set[int]:
     import numpy as np
 
     from ray_diloco.algorithm import wire
-    from ray_diloco.sim.simulate import fragment_plan
-    from ray_diloco.tasks import transformer as model
+    from ray_diloco.algorithm.setup import fragment_plan, layout_of
 
-    shapes = model.param_shapes(cfg.model)
+    shapes = layout_of(cfg).shapes
     return {
         wire.tree_bytes(
             wire.encode_tree(

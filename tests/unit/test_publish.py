@@ -62,8 +62,13 @@ def test_a_refused_learner_catches_up_on_the_newest_version() -> None:
 
 @pytest.mark.timeout(120)
 def test_publishing_to_contributors_moves_fewer_bytes_down() -> None:
-    base = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.d_ff=32"]
-    base += ["model.seq_len=16", "data.source=synthetic", "token_budget=40000"]
+    base = [
+        "task_args.model.d_model=16",
+        "task_args.model.num_layers=1",
+        "task_args.model.num_heads=2",
+        "task_args.model.d_ff=32",
+    ]
+    base += ["task_args.model.seq_len=16", "task_args.data.source=synthetic", "token_budget=40000"]
     base += ["learners.2.speed=0.8", "learners.3.speed=0.8", "diloco.sync_every=8"]
     base += ["diloco.num_fragments=4"]
     runs = {

@@ -7,19 +7,20 @@ import pytest
 
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
-from ray_diloco.sim.simulate import Setup, run_reference
+from ray_diloco.sim.simulate import run_reference
 
 TINY = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.d_ff=64",
-    "model.seq_len=16",
-    "data.source=synthetic",
-    "data.eval_batches=2",
-    "data.eval_batch_size=8",
+    "task_args.model.d_model=32",
+    "task_args.model.num_layers=2",
+    "task_args.model.num_heads=2",
+    "task_args.model.d_ff=64",
+    "task_args.model.seq_len=16",
+    "task_args.data.source=synthetic",
+    "task_args.data.eval_batches=2",
+    "task_args.data.eval_batch_size=8",
     "diloco.sync_every=4",
     "diloco.num_fragments=4",
     "diloco.overlap_steps=1",
