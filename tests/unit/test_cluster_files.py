@@ -107,8 +107,8 @@ def test_cluster_file_reads_without_a_problem(path: Path) -> None:
 
 @pytest.mark.parametrize("job", CLUSTER_JOBS, ids=_rel)
 def test_job_fits_the_cluster_files_it_names(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray_diloco.algorithm.setup import fragment_plan
     from ray_diloco.cluster.plan import make_plan
-    from ray_diloco.sim.simulate import fragment_plan
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(job)

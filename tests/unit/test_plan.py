@@ -97,12 +97,11 @@ def test_bad_input_is_one_error_line(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int4"])
 def test_fragment_bytes_are_the_wire_encodings(dtype: str) -> None:
     from ray_diloco.algorithm import wire
-    from ray_diloco.sim.simulate import fragment_plan
-    from ray_diloco.tasks import transformer as model
+    from ray_diloco.algorithm.setup import fragment_plan, layout_of
 
     cfg = load_config(TINY, [f"diloco.wire_dtype={dtype}"])
     frags = fragment_plan(cfg)
-    shapes = model.param_shapes(cfg.model)
+    shapes = layout_of(cfg).shapes
     up, down = fragment_wire_bytes(cfg, frags.sizes)
 
     def encoded(wire_dtype: str) -> int:

@@ -174,8 +174,8 @@ def test_plan_link_loads_are_the_reference_runs_byte_rates(decoupled):
     # `ray-diloco plan` predicts each region's bytes per second at step_time_s; the reference
     # run moves its bytes on that virtual clock, so its upstream rate is the prediction (up to
     # the run's ragged end) and its downstream rate stays under the predicted bound.
+    from ray_diloco.algorithm.setup import fragment_plan
     from ray_diloco.cluster.plan import learner_link_loads
-    from ray_diloco.sim.simulate import fragment_plan
 
     cfg = tiny("learners.2.speed=0.7", "learners.3.jitter=0.2")
     (load,) = learner_link_loads(cfg, fragment_plan(cfg).sizes, "local")
