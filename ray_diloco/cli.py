@@ -7,6 +7,9 @@
   ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
   ray-diloco scale RUN_DIR --add 'name=x,...' | --remove NAME       learners join/leave a run
   ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
+  ray-diloco plan --config jobs/cluster-gke.yaml [--cluster FILE ...] dry run on a real cluster:
+                                                                       placement, link loads,
+                                                                       problems (exit 1 if any)
 
 Printing to the terminal happens here (and in the progress display) only.
 """
@@ -14,6 +17,7 @@ Printing to the terminal happens here (and in the progress display) only.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -59,6 +63,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(summary_table(summary))
     print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
     return 0 if summary.get("tokens", 0) >= cfg.token_budget else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ray_diloco.cluster import files, plan
+
+    cfg = load_config(args.config, args.overrides)  # nothing is written: a dry run
+    paths = args.cluster or list(cfg.cluster.files)
+    if not paths:
+        raise ConfigError("no cluster file: pass --cluster FILE or set cluster.files in the job")
+    cluster = files.read_cluster_files(paths)
+    # The fragment plan evaluates parameter shapes only; never let JAX open an accelerator.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from ray_diloco.algorithm.setup import fragment_plan
+
+    result = plan.make_plan(cfg, cluster, fragment_plan(cfg).sizes)
+    print(plan.render(result))
+    return 1 if result.problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,12 +128,28 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
     sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
     sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
+    plan = sub.add_parser(
+        "plan", help="dry run on a real cluster: placement, link loads, problems; starts nothing"
+    )
+    _add_config_args(plan)
+    plan.add_argument(
+        "--cluster",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="cluster file (`ray up` YAML or KubeRay manifest), repeatable; "
+        "default: the job's cluster.files",
+    )
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    commands = {"train": cmd_train, "simulate": cmd_simulate, "plan": cmd_plan}
     try:
-        return {"train": cmd_train, "simulate": cmd_simulate}[args.command](args)
+        return commands[args.command](args)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        message = str(err)
+        if args.command == "plan":  # one line, whatever the validation found
+            message = "; ".join(line.strip() for line in message.splitlines())
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ import ray
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
-from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
+from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.algorithm.wire import tree_bytes
@@ -57,7 +58,9 @@ IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rou
 def config_digest(cfg: RunConfig) -> str:
     """Digest of the whole validated config: tells a driver whether an existing synchronizer
     serves its run; the event tape's RunStarted carries it too."""
-    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+    # Sorted keys: the same config written with its task_args in another order is the same run.
+    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
@@ -441,9 +444,10 @@ def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
 
 
 def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
-    """The named, detached, restartable actor pinned to the head (or its configured region)."""
+    """The named, detached, restartable actor pinned to the head. `synchronizer.region` names
+    the head's region (for the links and `ray-diloco plan`); a region selector alone could put
+    the synchronizer on a TPU host of that region."""
     s = cfg.synchronizer
-    placement = head_pin_options() if s.region == LOCAL_REGION else region_options(s.region)
     return {
         "name": s.name,
         "namespace": s.namespace,
@@ -454,7 +458,7 @@ def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
         "num_cpus": 0,
         # The synchronizer does no forward/backward: never let JAX grab an accelerator.
         "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
-        **placement,
+        **head_pin_options(),
     }
 
 
