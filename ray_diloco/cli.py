@@ -17,6 +17,7 @@ Printing to the terminal happens here (and in the progress display) only.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -82,32 +83,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1 if result.problems else 0
 
 
+# Subcommands with arguments of their own, each a `main(argv) -> exit code` that raises
+# ValueError (ConfigError included) for bad input.
+OWN_PARSERS = {
+    "simulate-goodput": "ray_diloco.sim.goodput_cli:simulate_goodput_main",
+    "simulate-bandwidth": "ray_diloco.sim.bandwidth_cli:simulate_bandwidth_main",
+    "prepare-data": "ray_diloco.tasks.prepare:main",
+    "scale": "ray_diloco.scale:main",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "simulate-goodput":
-        from ray_diloco.sim.goodput_cli import simulate_goodput_main
-
-        return simulate_goodput_main(argv[1:])
-    if argv and argv[0] == "scale":
-        from ray_diloco.scale import main as scale_main
-
+    if argv and argv[0] in OWN_PARSERS:
+        module, _, function = OWN_PARSERS[argv[0]].partition(":")
         try:
-            return scale_main(argv[1:])
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    if argv and argv[0] == "prepare-data":
-        from ray_diloco.tasks.prepare import main as prepare_main
-
-        try:
-            return prepare_main(argv[1:])
+            return int(getattr(importlib.import_module(module), function)(argv[1:]))
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    if argv and argv[0] == "simulate-bandwidth":
-        from ray_diloco.sim.bandwidth_cli import simulate_bandwidth_main
-
-        return simulate_bandwidth_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
