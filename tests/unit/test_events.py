@@ -14,6 +14,8 @@ from ray_diloco.control.events import (
     FaultInjected,
     GiveUp,
     LearnerDegraded,
+    LearnerJoined,
+    LearnerLeft,
     LearnerRecovered,
     LearnerRejoined,
     LearnerRestarted,
@@ -46,6 +48,8 @@ SAMPLES: list[Event] = [
     SynchronizerLost(7.8, detection_s=2.0, detail="status unanswered"),
     LearnerDegraded(8.2, "learner-1", cause="slow_steps", detail="2.0 vs 9.0 steps/s"),
     LearnerRecovered(8.4, "learner-1", cause="slow_steps", degraded_s=5.0),
+    LearnerJoined(8.5, "spare-0", region="asia-east1", accelerator="cpu", reason="scavenged"),
+    LearnerLeft(8.7, "spare-0", reason="its node is being drained", tokens_returned=4096),
     RunFinished(9.0, tokens=2_000_000, reason="token budget"),
 ]
 
