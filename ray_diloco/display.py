@@ -197,7 +197,7 @@ class _Starting:
         elapsed = duration(time.monotonic() - self.started)
         return Group(
             Text(self.title, style="bold"),
-            Text(f"starting Ray, checking the task, starting the synchronizer  {elapsed}", "yellow"),
+            Text(f"starting Ray, the task check, the synchronizer  {elapsed}", style="yellow"),
         )
 
 

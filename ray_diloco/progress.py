@@ -73,8 +73,8 @@ class ProgressTracker:
 
     def _token_rate(self, t: float, tokens: int) -> float:
         self._tokens.append((t, tokens))
-        while len(self._tokens) > 2 and t - self._tokens[1][0] >= RATE_WINDOW_S:
-            self._tokens.popleft()  # keep one sample at least RATE_WINDOW_S old
+        while len(self._tokens) > 2 and t - self._tokens[0][0] > RATE_WINDOW_S:
+            self._tokens.popleft()  # samples of the last RATE_WINDOW_S, at least two
         t_old, tokens_old = self._tokens[0]
         return (tokens - tokens_old) / (t - t_old) if t > t_old else 0.0
 

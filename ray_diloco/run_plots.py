@@ -174,6 +174,7 @@ def rounds(rec: RunRecord) -> Figure:
             _empty(bottom, "grace windows not recorded on this tape")
     top.set_ylabel("contributors per round")
     bottom.set_ylabel("seconds")
+    bottom.set_ylim(bottom=0)
     bottom.set_xlabel(TIME_LABEL)
     bottom.set_xlim(0, max(rec.end_t, 1.0))
     for ax in (top, bottom):
