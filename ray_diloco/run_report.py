@@ -204,31 +204,27 @@ def _status(rec: RunRecord) -> str:
 
 
 def _key_figures(rec: RunRecord) -> list[list[str]]:
-    s, last = rec.summary, rec.points[-1] if rec.points else {}
-    budget = int(rec.config.get("token_budget", 0))
-    tokens = (s or last).get("tokens", 0)
-    loss = (s or last).get("heldout_loss")
+    """From the summary of a finished run, else from its newest progress point."""
+    last = rec.points[-1] if rec.points else {}
+    now = rec.summary or {**last, "mean_contributors": last.get("contributors")}
+    loss = now.get("heldout_loss")
     rows = [
-        ["tokens trained", f"{human(tokens)} of {human(budget)}"],
-        ["held-out loss", f"{loss:.4f}" if loss is not None else "–"],
-        ["rounds", str((s or last).get("rounds", 0))],
-        [
-            "mean contributors per round",
-            _f((s or {}).get("mean_contributors", last.get("contributors"))),
-        ],
-        ["goodput", _f((s or last).get("goodput"))],
-        ["uptime", _f((s or last).get("uptime"))],
+        ["tokens trained", f"{human(now.get('tokens', 0))} of {human(rec.config['token_budget'])}"],
+        ["held-out loss", _f(loss, "{:.4f}")],
+        ["rounds", str(now.get("rounds", 0))],
+        ["mean contributors per round", _f(now.get("mean_contributors"))],
+        ["goodput", _f(now.get("goodput"))],
+        ["uptime", _f(now.get("uptime"))],
         ["run time", duration(rec.end_t)],
     ]
+    s = rec.summary
     if s is not None:
+        rejected = ", ".join(f"{k}: {v}" for k, v in s["rejected"].items())
         rows += [
-            ["tokens per second", human(s["tokens_per_s"])],
-            ["bytes moved", f"{human(s['bytes_total'])}B ({s['bytes_per_token']:.1f} per token)"],
-            ["failures", str(s.get("num_failures", 0))],
-            [
-                "rejected contributions",
-                ", ".join(f"{k}: {v}" for k, v in s["rejected"].items()) or "none",
-            ],
+            ["tokens per second (whole run)", human(s["tokens_per_s"])],
+            ["bytes moved", f"{human(s['bytes_total'])} ({s['bytes_per_token']:.1f} per token)"],
+            ["failures detected", str(s["num_failures"])],
+            ["rejected contributions", rejected or "none"],
         ]
     return rows
 
