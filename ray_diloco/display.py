@@ -110,9 +110,8 @@ def _learner_table(point: Point) -> Table:
 
 
 def plain_boot_line(point: Point) -> str:
-    return f"t={duration(point.get('t', 0.0))}  starting learners (compiling): " + learner_states(
-        point.get("learners") or {}
-    )
+    states = learner_states(point.get("learners") or {})
+    return f"t={duration(point.get('t', 0.0))}  starting learners (compiling): {states}"
 
 
 class PlainDisplay:
@@ -134,12 +133,9 @@ class PlainDisplay:
         self._key = key
 
     def _key_of(self, point: Point) -> tuple[Any, ...]:
-        down = tuple(
-            sorted(
-                n for n, ls in (point.get("learners") or {}).items() if ls["state"] in DOWN_STATES
-            )
-        )
-        return booting(point), down
+        learners = point.get("learners") or {}
+        down = sorted(n for n, ls in learners.items() if ls["state"] in DOWN_STATES)
+        return booting(point), tuple(down)
 
     def _print(self, point: Point) -> None:
         self._printed_t = point.get("t", 0.0)
@@ -206,7 +202,8 @@ def _stream_handlers() -> Iterator[logging.StreamHandler[Any]]:
     for lg in loggers:
         for handler in getattr(lg, "handlers", []):
             if isinstance(handler, logging.StreamHandler) and not isinstance(
-                handler, logging.FileHandler  # a file stays a file
+                handler,
+                logging.FileHandler,  # a file stays a file
             ):
                 yield handler
 

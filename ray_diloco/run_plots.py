@@ -21,11 +21,9 @@ from ray_diloco.control.events import (
     FailureDetected,
     FaultInjected,
     HeldoutEvaluated,
-    LearnerRecovered,
     LearnerRejoined,
     RoundClosed,
     SynchronizerLost,
-    SynchronizerRestored,
 )
 
 if TYPE_CHECKING:
@@ -78,14 +76,18 @@ def _loss(ax: Axes, rec: RunRecord) -> None:
 
 def _event_lines(ax: Axes, rec: RunRecord) -> list[Line2D]:
     """Vertical lines at faults, detected failures and recoveries; their legend entries."""
-    kinds: tuple[tuple[Any, str, Any, str], ...] = (
-        (FaultInjected, FAULT, "--", "fault injected"),
-        (FailureDetected | SynchronizerLost, FAILURE, "-", "failure detected"),
-        (LearnerRejoined | LearnerRecovered | SynchronizerRestored, RECOVERY, ":", "recovered"),
+    kinds: tuple[tuple[list[float], str, Any, str], ...] = (
+        ([e.t for e in rec.events if isinstance(e, FaultInjected)], FAULT, "--", "fault injected"),
+        (
+            [e.t for e in rec.events if isinstance(e, FailureDetected | SynchronizerLost)],
+            FAILURE,
+            "-",
+            "failure detected",
+        ),
+        (rec.recoveries(), RECOVERY, ":", "recovered"),
     )
     handles = []
-    for cls, color, style, label in kinds:
-        ts = [e.t for e in rec.events if isinstance(e, cls)]
+    for ts, color, style, label in kinds:
         for t in ts:
             ax.axvline(t, color=color, linestyle=style, linewidth=1, alpha=0.8)
         if ts:
@@ -118,7 +120,7 @@ def _timeline(ax: Axes, rec: RunRecord, names: Sequence[str]) -> None:
         Patch(color=c, label=w) for s, (c, w) in STATE_COLORS.items() if s in seen
     ]
     if down:
-        handles.append(Patch(color="#d1495b", label="synchronizer lost"))
+        handles.append(Patch(color="#d1495b", label="synchronizer unanswered"))
     if fail:
         handles.append(Line2D([], [], marker="x", color=FAULT, ls="", label="failure detected"))
     if back:

@@ -20,7 +20,10 @@ from typing import Any
 
 from ray_diloco.control.events import (
     Event,
+    HeldoutEvaluated,
+    LearnerRejoined,
     LearnerStateChanged,
+    RoundClosed,
     RunStarted,
     SynchronizerLost,
     SynchronizerRestored,
@@ -137,17 +140,30 @@ class RunRecord:
         return spans
 
     def synchronizer_down(self) -> list[tuple[float, float]]:
-        """Spans from a SynchronizerLost to the SynchronizerRestored after it (or the end)."""
+        """Spans from a SynchronizerLost to the first sign of a synchronizer at work again
+        (a round closed, an evaluation, a restore), or to the end."""
         spans, lost = [], None
         for e in sorted(self.events, key=lambda e: e.t):
             if isinstance(e, SynchronizerLost) and lost is None:
                 lost = e.t
-            elif isinstance(e, SynchronizerRestored) and lost is not None:
+            elif isinstance(e, RoundClosed | HeldoutEvaluated | SynchronizerRestored) and (
+                lost is not None and e.t > lost
+            ):
                 spans.append((lost, e.t))
                 lost = None
         if lost is not None:
             spans.append((lost, self.end_t))
         return spans
+
+    def recoveries(self) -> list[float]:
+        """When failures were over: restarted learners contributing again, the synchronizer
+        restored, and the recovery of every injected fault (`control.recovery`); a degraded
+        learner recovering on its own is not one."""
+        times = {e.t for e in self.events if isinstance(e, LearnerRejoined | SynchronizerRestored)}
+        for o in fault_outcomes(self.events, self.regions):
+            if o.recovered_t is not None:
+                times.add(o.recovered_t)
+        return sorted(times)
 
     def link_totals(self) -> tuple[dict[str, int], dict[str, int]]:
         """Bytes up and down per learner: the summary's, else the newest progress point's."""
