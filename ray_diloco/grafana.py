@@ -112,12 +112,17 @@ PANELS = [
     ),
     Panel(
         "Rounds per minute and contributors per round",
-        "Outer rounds closed per minute (all fragments) and contributions merged per round.",
+        "Outer rounds closed per minute (all fragments), contributions merged per round, and "
+        "the share of merged contributions whose base was an older version (stale).",
         "none",
         [
             Target("60 * " + _rate("ray_diloco_outer_rounds_total"), "rounds per minute"),
             Target(_mean("ray_diloco_contributors_per_round"), "contributors per round"),
-            Target(_mean("ray_diloco_staleness_versions"), "staleness (versions)"),
+            Target(
+                f'1 - sum(rate(ray_diloco_staleness_versions_bucket{{{RUN}, le="0.5"}}[$window]))'
+                f" / {_rate('ray_diloco_staleness_versions_count')}",
+                "share of contributions on an older version",
+            ),
         ],
     ),
     Panel(
@@ -151,7 +156,8 @@ PANELS = [
     Panel(
         "Detection and recovery",
         "Mean seconds from a failure to its detection, and from detection until the "
-        "restarted learner contributed again, by failure kind.",
+        "restarted learner contributed again, by failure kind, over the run (Ray exports "
+        "histogram sums from bucket midpoints: within about 20%).",
         "s",
         [
             Target(

@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "diloco_"
 RUN_TAG = "run"
-_SECONDS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Ray (2.60) exports a histogram's `_sum` as the sum of its bucket midpoints, not of the values
+# observed: counts (contributors, versions) get half-integer boundaries so that every integer is
+# a midpoint and means from `_sum / _count` are exact; seconds get buckets fine enough for a
+# mean within about 20%.
+_SECONDS = (0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
+_COUNTS = (0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 12.5, 16.5, 32.5)
 
 # name -> (kind, description, tag keys besides `run`, histogram boundaries)
 SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
@@ -53,7 +58,7 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "histogram",
         "Contributions merged in one round",
         (),
-        (1, 2, 3, 4, 6, 8, 12, 16, 32),
+        _COUNTS,
     ),
     "grace_window_seconds": (
         "histogram",
@@ -65,7 +70,7 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         "histogram",
         "Versions between a contribution's base and the global version",
         (),
-        (1, 2, 3, 4, 6, 8, 16),
+        _COUNTS,
     ),
     "merge_seconds": (
         "histogram",
