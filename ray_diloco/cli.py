@@ -2,6 +2,8 @@
 
   ray-diloco train --config jobs/local.yaml [--set a.b=c ...]       run on Ray (embedded or
                                                                        RAY_ADDRESS)
+  ray-diloco report RUN_DIR                                         report.html and pictures
+                                                                       of a run, finished or not
   ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
   ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
   ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
@@ -57,12 +59,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ray_diloco.display import progress_display, run_title
     from ray_diloco.driver import run_training
 
     cfg = load_config(args.config, args.overrides)
-    summary = run_training(cfg, address=args.address, stop_synchronizer=not args.keep_synchronizer)
+    with progress_display(run_title(cfg), args.print_every) as show:
+        summary = run_training(
+            cfg,
+            address=args.address,
+            stop_synchronizer=not args.keep_synchronizer,
+            progress=show,
+            dashboard=args.dashboard,
+        )
     print(summary_table(summary))
-    print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
+    run_dir = Path(cfg.run_dir).resolve()
+    print(f"wrote {run_dir / 'summary.json'} and the run report {run_dir / 'report.html'}")
     return 0 if summary.get("tokens", 0) >= cfg.token_budget else 1
 
 
@@ -81,6 +92,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan.make_plan(cfg, cluster, fragment_plan(cfg).sizes)
     print(plan.render(result))
     return 1 if result.problems else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ray_diloco.run_report import ReportError, write_report
+
+    try:
+        path = write_report(args.run_dir)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path.resolve()}")
+    return 0
 
 
 # Subcommands with arguments of their own, each a `main(argv) -> exit code` that raises
@@ -116,6 +139,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the detached synchronizer running after the run",
     )
+    train.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the Ray dashboard with the embedded local Ray (default: on)",
+    )
+    train.add_argument(
+        "--print-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="when stdout is not a terminal: one progress line every SECONDS (default 10)",
+    )
+    report = sub.add_parser("report", help="write report.html and pictures of a run dir")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a train run")
+    report.add_argument("--log-level", default="WARNING")
     simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
     _add_config_args(simulate)
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
@@ -136,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    commands = {"train": cmd_train, "simulate": cmd_simulate, "plan": cmd_plan}
+    commands = {
+        "train": cmd_train,
+        "simulate": cmd_simulate,
+        "plan": cmd_plan,
+        "report": cmd_report,
+    }
     try:
         return commands[args.command](args)
     except ConfigError as err:

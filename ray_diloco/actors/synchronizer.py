@@ -31,6 +31,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
@@ -41,7 +42,7 @@ from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
-from ray_diloco.control.events import ContributionRejected, RoundClosed
+from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
@@ -83,7 +84,7 @@ class Synchronizer:
         self.setup = Setup.build(cfg)
         self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
         self.journal = Journal()
-        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self.hosts: dict[str, list[Any]] = {}
         self.regions = {lg.name: lg.region for lg in cfg.learners}
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
@@ -103,6 +104,9 @@ class Synchronizer:
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
+
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        return f"Synchronizer(run={self.cfg.name})"
 
     # -- control group: membership and progress -----------------------------------------------
 
@@ -252,9 +256,10 @@ class Synchronizer:
         if newest is not None:
             self._publish(meta.fragment, *newest, behind)
         self._wake.set()
-        self.metrics.link_bytes(meta.learner, "up", tree_bytes(delta))
+        region = self.regions.get(meta.learner, LOCAL_REGION)
+        self.metrics.link_bytes(meta.learner, region, "up", tree_bytes(delta))
         if verdict.value != "accepted":
-            self.metrics.contribution_rejected(verdict.value)
+            self.metrics.contribution_rejected(meta.learner, verdict.value)
             with self._lock:
                 self.journal.record(
                     ContributionRejected(
@@ -339,7 +344,9 @@ class Synchronizer:
             closes = self.core.close_due(self._now())
         for close in closes:
             try:
+                started = time.perf_counter()
                 pub = self.core.merge(close)  # outside the lock: offers and reports go on
+                self.metrics.merge_time(time.perf_counter() - started)
             except Exception:
                 logger.exception("merge of fragment %d failed; round put back", close.fragment)
                 with self._lock:
@@ -363,6 +370,8 @@ class Synchronizer:
                         pub.version,
                         len(close.contributions),
                         close.num_tokens,
+                        close.grace_s,
+                        close.closed_s - close.quorum_s,
                     )
                 )
             self._publish(pub.fragment, pub.version, pub.encoded, targets)
@@ -391,7 +400,7 @@ class Synchronizer:
             for host in handles:
                 send = functools.partial(_send, host, fragment, version, ref)
                 self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, "down", nbytes)
+            self.metrics.link_bytes(learner, region, "down", nbytes)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
@@ -402,6 +411,7 @@ class Synchronizer:
             m.staleness(s)
         m.global_version(pub.version)
         m.live_learners(live)
+        m.synchronizer_memory(psutil.Process().memory_info().rss)
 
     def _evaluate(self) -> float:
         with self._lock:
@@ -409,6 +419,7 @@ class Synchronizer:
         loss = self.setup.evaluate(self.core.global_params())
         with self._lock:
             self.journal.eval_point(tokens, rounds, loss)
+            self.journal.record(HeldoutEvaluated(time.time(), tokens, rounds, loss))
         self.metrics.heldout_loss(loss)
         return loss
 

@@ -80,3 +80,26 @@ def test_cluster_imports_neither_ray_nor_jax():
     assert len(out["imported"]) == 4, out  # the package, slices, files, plan
     assert _top_level(out["modules"], "ray") == []
     assert _top_level(out["modules"], "jax") == []
+
+
+WATCHING_MODULES = [
+    "ray_diloco.progress",
+    "ray_diloco.display",
+    "ray_diloco.run_report",
+    "ray_diloco.run_plots",
+    "ray_diloco.grafana",
+    "ray_diloco.metrics",
+]
+
+
+def test_what_watches_a_run_imports_neither_ray_nor_jax():
+    # The report and the displays must work where only the run dir is (a laptop, CI).
+    code = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in WATCHING_MODULES)
+        + "json.dump({'modules': sorted(sys.modules)}, sys.stdout)\n"
+    )
+    modules = _run(code)["modules"]
+    assert set(WATCHING_MODULES) <= set(modules)
+    assert _top_level(modules, "ray") == []
+    assert _top_level(modules, "jax") == []
