@@ -80,10 +80,12 @@ class OuterOptimizerConfig(_Frozen):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    # Momentum ramps linearly from 0 over this many outer steps of a fragment (0: none).
+    momentum_warmup_steps: int = Field(0, ge=0)
 
 
 Mode = Literal["decoupled", "synchronous", "data_parallel"]
-WireDtype = Literal["float32", "bfloat16", "int8", "int4"]
+WireDtype = Literal["float32", "bfloat16", "int8", "int4", "int2"]
 
 
 class DilocoConfig(_Frozen):
@@ -109,10 +111,22 @@ class DilocoConfig(_Frozen):
     publish_to: Literal["all", "contributors"] = "all"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
+    # Outer gradient of a contribution. "current": G_now - theta (algorithm.md section 6 as
+    # written). "base": the learner's own update, G_base - theta, so a contribution based on an
+    # older version adds its work instead of pulling G back toward that version; the
+    # synchronizer then keeps no published version but the newest.
+    anchor: Literal["current", "base"] = "current"
+    # Step size of a round. "full": every round takes a whole outer step. "share": a round
+    # that merged a share s of a full round's tokens (every live learner's sync_every steps)
+    # takes a fraction s of an outer step (outer.py), so K = 1 rounds do not add up.
+    round_step: Literal["full", "share"] = "full"
+    # Norm guard: a contribution whose own update per inner step exceeds norm_guard times the
+    # median of the fragment's recent accepted ones (after the inner warm-up) is refused, once
+    # norm_guard_min_samples of them are known (algorithm.md section 7).
     norm_guard: float = Field(10.0, gt=1)
-    norm_guard_warmup_rounds: int = Field(5, ge=0)
+    norm_guard_min_samples: int = Field(8, ge=1)
     wire_dtype: WireDtype = "bfloat16"
-    int4_block_size: int = Field(64, ge=2)
+    int4_block_size: int = Field(64, ge=2, description="block of one scale, int4 and int2")
 
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]

@@ -1,11 +1,14 @@
 """Layer: algorithm (pure, no Ray). The synchronizer's state and work, without any transport.
 
-Holds the global value of every fragment, the per-fragment outer optimizer state, the recent
-published versions (the bases learners' deltas are relative to), the round book and the token
-ledger. `offer` reconstructs a contribution from its wire delta, guards it and hands it to the
-round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step, commit,
-and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
-(`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
+Holds the global value of every fragment, the per-fragment outer optimizer state, the published
+versions its rule needs (with `anchor: base`, only the newest, which a joining learner adopts;
+with `anchor: current`, the last `max_staleness_versions` + 1, the bases learners' deltas are
+relative to), the round book and the token ledger. `offer` checks a contribution's structure
+(fragment, leaves, shapes, wire dtype), decodes its wire delta, guards it and hands its outer
+gradient to the round book; `poll` closes due rounds: token-weighted RDA merge, (partial)
+Nesterov outer step, commit, and the value to publish (algorithm.md sections 5 to 7). The
+in-process reference run (`simulate.py`) and the Ray synchronizer actor both wrap this class,
+so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -32,7 +35,22 @@ from ray_diloco.config import RunConfig
 Values = dict[str, np.ndarray]
 # Refusals after which a learner of the current incarnation must adopt the newest version.
 CATCH_UP = frozenset(
-    {Verdict.STALE_VERSION, Verdict.FUTURE_VERSION, Verdict.NORM_OUTLIER, Verdict.NON_FINITE}
+    {
+        Verdict.STALE_VERSION,
+        Verdict.FUTURE_VERSION,
+        Verdict.LATE,
+        Verdict.NORM_OUTLIER,
+        Verdict.NON_FINITE,
+    }
+)
+# Refusals whose counters say nothing about work lost (a stranger's, a replay's, a lie).
+UNTRUSTED_COUNTERS = frozenset(
+    {
+        Verdict.UNKNOWN_LEARNER,
+        Verdict.UNKNOWN_FRAGMENT,
+        Verdict.ABSURD_COUNTERS,
+        Verdict.REPLAYED,
+    }
 )
 
 
@@ -56,16 +74,17 @@ class SynchronizerCore:
         self.cfg = cfg
         self.plan = plan
         self.book = RoundBook(
-            RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
+            RoundPolicy.from_config(
+                cfg.diloco, cfg.synchronizer, cfg.num_learners, cfg.inner.warmup_steps
+            ),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
         )
         self.ledger = TokenLedger()
-        self.tx = outer.make_outer_optimizer(cfg.outer)
         self.values: list[Values] = [
             {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
         ]
-        self.outer_states = [outer.init_outer_state(self.tx, v) for v in self.values]
+        self.outer_states = [outer.init_outer_state(cfg.outer, v) for v in self.values]
         # Version 0 is the shared initialisation every learner starts from, exactly.
         self.published: list[dict[int, Values]] = [{0: v} for v in self.values]
         self.bytes_up: dict[str, int] = {}
@@ -76,7 +95,20 @@ class SynchronizerCore:
     # -- learners -----------------------------------------------------------------------------
 
     def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
-        return self.book.register(learner, incarnation, now)
+        """Admit a learner (it resumes at the ledger's cursor); its contributions still pending
+        from before are dropped and counted as rejected (RoundBook.register)."""
+        tokens_per_step = self.cfg.tokens_per_step.get(learner)
+        cursor = self.ledger.resume_cursor(learner)
+        versions, dropped = self.book.register(
+            learner,
+            incarnation,
+            now,
+            start_step=cursor // tokens_per_step if tokens_per_step else 0,
+            tokens_per_step=tokens_per_step,
+        )
+        for entry in dropped:
+            self._reject(Verdict.OLD_INCARNATION, entry.meta, entry.num_tokens)
+        return versions
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
         """The latest published version of every fragment: what a (re)joining learner adopts."""
@@ -97,29 +129,63 @@ class SynchronizerCore:
     def offer(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float
     ) -> Verdict:
-        """Take a contribution: `delta` is theta minus the published value of its base version."""
+        """Take a contribution: `delta` is theta minus the value of its base version, as the
+        learner holds it. Anything refused is counted in `rejected` and changes nothing else."""
+        bad = self._malformed(meta, delta)
+        if bad is not None:
+            return self._reject(bad, meta)
         self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
-        hist = self.published[meta.fragment]
-        base = hist.get(meta.base_version)
         decoded = wire.decode_tree(delta)
-        if base is None:
-            if not merge.all_finite(decoded):  # reported as non-finite whatever its version
-                return self._reject(self.book.offer(meta, now, finite=False), meta)
-            # Older than the history we keep (or from before a synchronizer restart): it cannot
-            # be reconstructed, so it is fenced like any other too-stale contribution.
-            stale = meta.base_version < max(hist)
-            return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
-        if set(delta) != set(base):
-            return self._reject(Verdict.MALFORMED, meta)
-        theta = {k: base[k] + d for k, d in decoded.items()}
-        finite = merge.all_finite(theta)
-        norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
-        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)
+        finite = merge.all_finite(decoded)
+        norm = merge.tree_norm(decoded) if finite else None
+        if self.cfg.diloco.anchor == "base":
+            # The outer gradient is the learner's own update, G_base - theta = -delta.
+            payload: Values = {k: -d for k, d in decoded.items()}
+        else:
+            hist = self.published[meta.fragment]
+            base = hist.get(meta.base_version)
+            if base is None and finite:
+                # Older than the history kept (or from before a synchronizer restart): it cannot
+                # be reconstructed, so it is fenced like any other too-stale contribution.
+                stale = meta.base_version < max(hist)
+                return self._reject(
+                    Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta
+                )
+            payload = {k: base[k] + d for k, d in decoded.items()} if base is not None else {}
+        verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=payload)
         return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
 
-    def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
+    def _malformed(
+        self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded]
+    ) -> Verdict | None:
+        """What is wrong with a contribution's structure, before anything is decoded: its
+        fragment index, its leaves, their shapes and their wire format."""
+        if not 0 <= meta.fragment < self.plan.num_fragments:
+            return Verdict.UNKNOWN_FRAGMENT
+        values = self.values[meta.fragment]
+        if not isinstance(delta, Mapping) or set(delta) != set(values):
+            return Verdict.MALFORMED
+        d = self.cfg.diloco
+        for k, enc in delta.items():
+            if not isinstance(enc, wire.Encoded):
+                return Verdict.MALFORMED
+            if tuple(enc.shape) != values[k].shape:
+                return Verdict.WRONG_SHAPE
+            if (enc.dtype, enc.block_size) != (
+                d.wire_dtype,
+                wire.block_size_of(d.wire_dtype, d.int4_block_size),
+            ):
+                return Verdict.WRONG_DTYPE
+            if not wire.well_formed(enc):
+                return Verdict.MALFORMED
+        return None
+
+    def _reject(
+        self, verdict: Verdict, meta: ContributionMeta, tokens: int | None = None
+    ) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
-        self.rejected_tokens += meta.num_tokens
+        if verdict not in UNTRUSTED_COUNTERS:
+            self.rejected_tokens += meta.num_tokens if tokens is None else tokens
         return verdict
 
     # -- rounds -------------------------------------------------------------------------------
@@ -146,12 +212,17 @@ class SynchronizerCore:
             (c.payload, merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty))
             for c, s in zip(close.contributions, close.staleness, strict=True)
         ]
-        grad = merge.outer_gradient(self.values[p], contributions, self.plan.embedding, d.merge)
+        embedding = self.plan.embedding
+        if d.anchor == "current":
+            grad = merge.outer_gradient(self.values[p], contributions, embedding, d.merge)
+        else:
+            grad = merge.merge_outer_gradients(self.values[p], contributions, embedding, d.merge)
+        share = self.round_share(close) if d.round_step == "share" else 1.0
         values, self.outer_states[p] = outer.outer_step(
-            self.tx, self.values[p], self.outer_states[p], grad
+            self.cfg.outer, self.values[p], self.outer_states[p], grad, share
         )
         encoded = wire.encode_tree(values, wire.publish_dtype(d.wire_dtype))
-        hist = dict(self.published[p])
+        hist = dict(self.published[p]) if d.anchor == "current" else {}
         hist[close.version] = wire.decode_tree(encoded)
         for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
             del hist[v]
@@ -159,6 +230,13 @@ class SynchronizerCore:
         self.values[p], self.published[p] = values, hist
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, encoded, close, elapsed)
+
+    def round_share(self, close: RoundClose) -> float:
+        """The share of a full round's work a round merged: its tokens over the tokens every
+        learner live at its close trains in `sync_every` steps (1 when that is unknown)."""
+        tokens_per_step = self.cfg.tokens_per_step
+        full = self.cfg.diloco.sync_every * sum(tokens_per_step.get(n, 0) for n in close.live)
+        return min(1.0, close.num_tokens / full) if full > 0 else 1.0
 
     def commit(self, pub: Publication, now: float) -> None:
         self.ledger.record_merge(pub.close)

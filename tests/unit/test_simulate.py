@@ -79,7 +79,7 @@ def test_int4_moves_fewer_bytes_than_bfloat16(decoupled):
 
 
 def _core():
-    cfg = tiny()
+    cfg = tiny("diloco.wire_dtype=float32")  # the contributions below are float32
     setup = Setup.build(cfg)
     return cfg, setup, SynchronizerCore(cfg, setup.plan, setup.init)
 
