@@ -126,7 +126,23 @@ class DilocoConfig(_Frozen):
     norm_guard: float = Field(10.0, gt=1)
     norm_guard_min_samples: int = Field(8, ge=1)
     wire_dtype: WireDtype = "bfloat16"
+    # Publications down: a float dtype sends new global values; a quantized one (int8, int4,
+    # int2) sends each learner the difference to the value it holds, with error feedback, and
+    # full values (in bfloat16, float32 if wire_dtype is) to a learner that holds nothing known
+    # (algorithm/downstream.py). None: bfloat16, float32 if wire_dtype is float32.
+    publish_dtype: WireDtype | None = None
     int4_block_size: int = Field(64, ge=2, description="block of one scale, int4 and int2")
+
+    @model_validator(mode="after")
+    def _deltas_down_need_base_anchoring(self) -> DilocoConfig:
+        if self.publish_dtype in ("int8", "int4", "int2") and self.anchor == "current":
+            raise ValueError(
+                f"diloco.publish_dtype={self.publish_dtype} sends learners differences, so "
+                "their copies differ from every published value and a delta anchored at the "
+                "current value cannot be reconstructed: set diloco.anchor=base, or a float "
+                "diloco.publish_dtype"
+            )
+        return self
 
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]

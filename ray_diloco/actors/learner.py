@@ -57,7 +57,8 @@ class LearnerHost:
         self.name, self.host_index, self.num_hosts = self.lg.name, host_index, num_hosts
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._incoming: list[tuple[int, int, Any]] = []  # received, not yet at a boundary
+        # received (fragment, version, values, base), not yet at a step boundary
+        self._incoming: list[tuple[int, int, Any, int | None]] = []
         self.stop_reason = ""
         self.transitions: list[dict[str, Any]] = []
         self.state = LearnerState.STARTING
@@ -87,13 +88,16 @@ class LearnerHost:
 
         return spmd.free_address()
 
-    def receive(self, fragment: int, version: int, encoded: dict[str, Encoded]) -> None:
-        """A published fragment (a synchronizer-owned object), for the next step boundary."""
+    def receive(
+        self, fragment: int, version: int, encoded: dict[str, Encoded], base: int | None = None
+    ) -> None:
+        """A published fragment (a synchronizer-owned object), for the next step boundary:
+        full values, or the difference to add to version `base` (algorithm/downstream.py)."""
         from ray_diloco.algorithm.wire import decode_tree
 
         values = decode_tree(encoded)
         with self._cond:
-            self._incoming.append((fragment, version, values))
+            self._incoming.append((fragment, version, values, base))
             self.counts["received"] += 1
             self._cond.notify_all()
 
@@ -252,11 +256,14 @@ class LearnerHost:
         blocked_since: float | None = None
         while True:
             with self._cond:
-                items, self._incoming = self._incoming, []
+                received, self._incoming = self._incoming, []
                 stop = self._stop.is_set()
+            # Host 0 (the only one receiving) resolves differences into full values, which
+            # every host of the learner then holds.
+            items = [full for r in received for full in core.resolve(*r)]
             items, stop = link.share_step(items, stop)
             for item in items:
-                core.receive(*item)
+                core.hold(*item)
             core.apply_received()
             if stop:
                 return False

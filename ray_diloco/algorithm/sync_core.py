@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
+from ray_diloco.algorithm.downstream import Downstream, Message
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.rounds import (
@@ -56,17 +57,15 @@ UNTRUSTED_COUNTERS = frozenset(
 
 @dataclass(frozen=True)
 class Publication:
-    """A merged fragment to send to every live learner."""
+    """A merged fragment: its new global value and that value's full encoding (what a
+    float publication sends; `messages` says what each recipient gets)."""
 
     fragment: int
     version: int
+    values: Values
     encoded: dict[str, wire.Encoded]
     close: RoundClose
     sync_time_s: float
-
-    @property
-    def nbytes(self) -> int:
-        return wire.tree_bytes(self.encoded)
 
 
 class SynchronizerCore:
@@ -87,6 +86,7 @@ class SynchronizerCore:
         self.outer_states = [outer.init_outer_state(cfg.outer, v) for v in self.values]
         # Version 0 is the shared initialisation every learner starts from, exactly.
         self.published: list[dict[int, Values]] = [{0: v} for v in self.values]
+        self.down = Downstream(cfg.diloco, plan.num_fragments)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -108,6 +108,7 @@ class SynchronizerCore:
         )
         for entry in dropped:
             self._reject(Verdict.OLD_INCARNATION, entry.meta, entry.num_tokens)
+        self.down.adopted(learner, self.snapshot())
         return versions
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
@@ -221,7 +222,7 @@ class SynchronizerCore:
         values, self.outer_states[p] = outer.outer_step(
             self.cfg.outer, self.values[p], self.outer_states[p], grad, share
         )
-        encoded = wire.encode_tree(values, wire.publish_dtype(d.wire_dtype))
+        encoded = self.down.encode_full(values)
         hist = dict(self.published[p]) if d.anchor == "current" else {}
         hist[close.version] = wire.decode_tree(encoded)
         for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
@@ -229,7 +230,7 @@ class SynchronizerCore:
         # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
         self.values[p], self.published[p] = values, hist
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
-        return Publication(p, close.version, encoded, close, elapsed)
+        return Publication(p, close.version, values, encoded, close, elapsed)
 
     def round_share(self, close: RoundClose) -> float:
         """The share of a full round's work a round merged: its tokens over the tokens every
@@ -249,18 +250,20 @@ class SynchronizerCore:
         merged = {c.meta.learner for c in pub.close.contributions}
         return [n for n in learners if n in merged]
 
-    def catch_up(
-        self, meta: ContributionMeta, verdict: Verdict
-    ) -> tuple[int, dict[str, wire.Encoded]] | None:
-        """The newest version of the fragment (and its encoding) to send the learner whose
-        contribution was just refused for being behind, or broken, when publications only go
-        to contributors: it would otherwise never hear of a newer version. None otherwise."""
+    def messages(self, pub: Publication, learners: Iterable[str]) -> dict[str, Message]:
+        """What each of `learners` receives of `pub` (full values, or the quantized difference
+        to what it holds: downstream.py). The caller sends them and reports `sent`."""
+        return self.down.messages(pub.fragment, pub.version, pub.values, learners, pub.encoded)
+
+    def catch_up(self, meta: ContributionMeta, verdict: Verdict) -> Message | None:
+        """The newest version of the fragment for the learner whose contribution was just
+        refused for being behind, or broken, when publications only go to contributors: it
+        would otherwise never hear of a newer version. None otherwise."""
         if self.cfg.diloco.publish_to == "all" or verdict not in CATCH_UP:
             return None
-        hist = self.published[meta.fragment]
-        version = max(hist)
-        dtype = wire.publish_dtype(self.cfg.diloco.wire_dtype)
-        return version, wire.encode_tree(hist[version], dtype)
+        p = meta.fragment
+        version = max(self.published[p])
+        return self.down.messages(p, version, self.values[p], [meta.learner])[meta.learner]
 
     def sent(self, learner: str, nbytes: int) -> None:
         self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes

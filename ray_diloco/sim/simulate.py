@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import inner, links
+from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.sync_core import SynchronizerCore
-from ray_diloco.algorithm.wire import decode_tree, tree_bytes
+from ray_diloco.algorithm.wire import decode_tree
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 from ray_diloco.sim import sim_faults
@@ -156,18 +157,17 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
 
     index = {lg.name: i for i, lg in enumerate(cfg.learners)}
 
-    def send(j: int, fragment: int, version: int, encoded: Any, t: float) -> None:
+    def send(j: int, msg: Message, t: float) -> None:
         lg = cfg.learners[j]
-        nbytes = tree_bytes(encoded)
-        sync.sent(lg.name, nbytes)
-        arrive = wan.arrival(lg.region, "down", nbytes, t)
-        sim.push(arrive, "publish", (j, fragment, version, encoded))
+        sync.sent(lg.name, msg.nbytes)
+        arrive = wan.arrival(lg.region, "down", msg.nbytes, t)
+        sim.push(arrive, "publish", (j, msg))
 
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             round_times.append(t)
-            for name in sync.recipients(pub, index):
-                send(index[name], pub.fragment, pub.version, pub.encoded, t + pub.sync_time_s)
+            for name, msg in sync.messages(pub, sync.recipients(pub, index)).items():
+                send(index[name], msg, t + pub.sync_time_s)
         deadline = sync.book.next_deadline()
         if deadline is not None and deadline > t and deadline not in polls:
             polls.add(deadline)
@@ -202,16 +202,16 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             meta, delta = payload
             newest = sync.catch_up(meta, sync.offer(meta, delta, now))
             if newest is not None:
-                send(index[meta.learner], meta.fragment, *newest, now)
+                send(index[meta.learner], newest, now)
             close_rounds(now)
         elif kind == "poll":
             polls.discard(now)
             close_rounds(now)
         elif kind == "publish":
-            j, frag, version, encoded = payload
+            j, msg = payload
             if not alive[j]:
                 continue  # a learner that is down gets the latest version when it comes back
-            learners[j].receive(frag, version, decode_tree(encoded))
+            learners[j].receive(msg.fragment, msg.version, decode_tree(msg.encoded), msg.base)
             if blocked[j]:
                 step_boundary(j, now)
         elif kind == "fail" and alive[payload]:
