@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing
+import os
 import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from ray_diloco.config import RunConfig, build_config, load_config
 from ray_diloco.report import machine, markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -26,6 +31,65 @@ QUICK_MODEL = [
     "diloco.num_fragments=8",
     "data.eval_batches=2",
 ]
+
+
+# The quality setting: jobs/reference.yaml (P = H = 24, tau = 2, half the learners 18% slower,
+# 10% step jitter) with a model and batch small enough for over 100 outer steps per fragment on
+# this machine: 3 layers 64 wide, 32-byte sequences, a global batch of 32 sequences split over
+# the M learners (8 each for M = 4), 2.56M tokens: 2,500 inner steps.
+HORIZON = [
+    "model.d_model=64",
+    "model.num_layers=3",
+    "model.d_ff=256",
+    "model.seq_len=32",
+    "token_budget=2560000",
+]
+GLOBAL_BATCH = 32
+# The cluster config's sync period (jobs/cluster-v5p-v6e.yaml): H = 100, P = 25, tau = 5.
+H100 = ["diloco.sync_every=100", "diloco.num_fragments=25", "diloco.overlap_steps=5"]
+
+
+def learners(num: int) -> list[dict[str, Any]]:
+    """M learners sharing the global batch; every other one 18% slower, all with jitter."""
+    return [
+        {
+            "name": f"learner-{i}",
+            "batch_size": GLOBAL_BATCH // num,
+            "jitter": 0.1,
+            **({"speed": 0.82} if i % 2 else {}),
+        }
+        for i in range(num)
+    ]
+
+
+def horizon_config(
+    overrides: Sequence[str], num_learners: int = 4, seed: int = 0, quick: bool = False
+) -> RunConfig:
+    """The quality setting (the tiny --quick model instead with `quick`) with `num_learners`
+    learners, the seed and `overrides` applied."""
+    base = [*QUICK_MODEL, "token_budget=60000"] if quick else HORIZON
+    cfg = load_config(REFERENCE, [*base, *overrides, f"seed={seed}"])
+    tree = cfg.model_dump(mode="json")
+    tree["learners"] = learners(num_learners)
+    return build_config(tree, f"{REFERENCE.name} with {num_learners} learners")
+
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+
+def run_parallel(fn: Callable[[J], R], jobs: Sequence[J], workers: int) -> list[R]:
+    """`fn` over `jobs`, `workers` at a time, each in its own process (spawned: JAX does not
+    survive a fork) with single-threaded XLA and BLAS: two processes on two cores run faster
+    than two multi-threaded ones fighting for them. In order."""
+    if workers <= 1:
+        return [fn(job) for job in jobs]
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        return list(pool.map(fn, jobs))
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -133,17 +133,6 @@ class DilocoConfig(_Frozen):
     publish_dtype: WireDtype | None = None
     int4_block_size: int = Field(64, ge=2, description="block of one scale, int4 and int2")
 
-    @model_validator(mode="after")
-    def _deltas_down_need_base_anchoring(self) -> DilocoConfig:
-        if self.publish_dtype in ("int8", "int4", "int2") and self.anchor == "current":
-            raise ValueError(
-                f"diloco.publish_dtype={self.publish_dtype} sends learners differences, so "
-                "their copies differ from every published value and a delta anchored at the "
-                "current value cannot be reconstructed: set diloco.anchor=base, or a float "
-                "diloco.publish_dtype"
-            )
-        return self
-
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]
 

@@ -290,7 +290,9 @@ class RoundBook:
         self._maybe_reach_quorum(frag, now)
         return Verdict.ACCEPTED
 
-    def _check(self, meta: ContributionMeta, finite: bool, norm: float | None) -> Verdict:
+    def fence(self, meta: ContributionMeta) -> Verdict | None:
+        """Who may contribute at all: a registered learner's current incarnation, to a fragment
+        that exists. None when it may."""
         m = self.members.get(meta.learner)
         if m is None:
             return Verdict.UNKNOWN_LEARNER
@@ -298,6 +300,13 @@ class RoundBook:
             return Verdict.UNKNOWN_FRAGMENT
         if meta.incarnation != m.incarnation:
             return Verdict.OLD_INCARNATION
+        return None
+
+    def _check(self, meta: ContributionMeta, finite: bool, norm: float | None) -> Verdict:
+        fenced = self.fence(meta)
+        if fenced is not None:
+            return fenced
+        m = self.members[meta.learner]
         # Non-finite before the version checks: it says the learner's state may be corrupt
         # (the supervisor restarts it), which matters however stale the contribution is.
         if not finite or (norm is not None and norm != norm):

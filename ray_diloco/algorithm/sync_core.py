@@ -1,9 +1,9 @@
 """Layer: algorithm (pure, no Ray). The synchronizer's state and work, without any transport.
 
-Holds the global value of every fragment, the per-fragment outer optimizer state, the published
-versions its rule needs (with `anchor: base`, only the newest, which a joining learner adopts;
-with `anchor: current`, the last `max_staleness_versions` + 1, the bases learners' deltas are
-relative to), the round book and the token ledger. `offer` checks a contribution's structure
+Holds the global value of every fragment, the per-fragment outer optimizer state, the newest
+published version (what a joining learner adopts), the record of what each learner was sent
+(downstream.py: the bases its deltas are relative to, and what quantized publications are
+differences to), the round book and the token ledger. `offer` checks a contribution's structure
 (fragment, leaves, shapes, wire dtype), decodes its wire delta, guards it and hands its outer
 gradient to the round book; `poll` closes due rounds: token-weighted RDA merge, (partial)
 Nesterov outer step, commit, and the value to publish (algorithm.md sections 5 to 7). The
@@ -13,6 +13,7 @@ so they cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
-from ray_diloco.algorithm.downstream import Downstream, Message
+from ray_diloco.algorithm.downstream import Downstream, Message, Published
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.rounds import (
@@ -57,15 +58,16 @@ UNTRUSTED_COUNTERS = frozenset(
 
 @dataclass(frozen=True)
 class Publication:
-    """A merged fragment: its new global value and that value's full encoding (what a
-    float publication sends; `messages` says what each recipient gets)."""
+    """A merged fragment's new version (`messages` says what each recipient gets of it)."""
 
     fragment: int
-    version: int
-    values: Values
-    encoded: dict[str, wire.Encoded]
+    published: Published
     close: RoundClose
     sync_time_s: float
+
+    @property
+    def version(self) -> int:
+        return self.published.version
 
 
 class SynchronizerCore:
@@ -84,8 +86,8 @@ class SynchronizerCore:
             {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
         ]
         self.outer_states = [outer.init_outer_state(cfg.outer, v) for v in self.values]
-        # Version 0 is the shared initialisation every learner starts from, exactly.
-        self.published: list[dict[int, Values]] = [{0: v} for v in self.values]
+        # Version 0 is the shared initialisation every learner starts from, exactly (float32).
+        self.newest = [Published(0, v, wire.encode_tree(v, "float32"), v) for v in self.values]
         self.down = Downstream(cfg.diloco, plan.num_fragments)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
@@ -111,13 +113,9 @@ class SynchronizerCore:
         self.down.adopted(learner, self.snapshot())
         return versions
 
-    def snapshot(self) -> dict[int, tuple[int, Values]]:
+    def snapshot(self) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
         """The latest published version of every fragment: what a (re)joining learner adopts."""
-        out = {}
-        for p, hist in enumerate(self.published):
-            v = max(hist)
-            out[p] = (v, hist[v])
-        return out
+        return {p: (pub.version, pub.decoded) for p, pub in enumerate(self.newest)}
 
     def report(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None, cursor: int
@@ -143,18 +141,24 @@ class SynchronizerCore:
             # The outer gradient is the learner's own update, G_base - theta = -delta.
             payload: Values = {k: -d for k, d in decoded.items()}
         else:
-            hist = self.published[meta.fragment]
-            base = hist.get(meta.base_version)
+            fenced = self.book.fence(meta)
+            if fenced is not None:
+                return self._reject(fenced, meta)
+            base = self.down.base(meta.learner, meta.fragment, meta.base_version)
             if base is None and finite:
-                # Older than the history kept (or from before a synchronizer restart): it cannot
+                # Older than the copies kept (or from before a synchronizer restart): it cannot
                 # be reconstructed, so it is fenced like any other too-stale contribution.
-                stale = meta.base_version < max(hist)
+                newest = self.newest[meta.fragment].version
+                stale = meta.base_version < newest
                 return self._reject(
                     Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta
                 )
             payload = {k: base[k] + d for k, d in decoded.items()} if base is not None else {}
         verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=payload)
-        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
+        if verdict is not Verdict.ACCEPTED:
+            return self._reject(verdict, meta)
+        self.down.offered(meta.learner, meta.fragment, meta.base_version)
+        return verdict
 
     def _malformed(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded]
@@ -222,15 +226,11 @@ class SynchronizerCore:
         values, self.outer_states[p] = outer.outer_step(
             self.cfg.outer, self.values[p], self.outer_states[p], grad, share
         )
-        encoded = self.down.encode_full(values)
-        hist = dict(self.published[p]) if d.anchor == "current" else {}
-        hist[close.version] = wire.decode_tree(encoded)
-        for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
-            del hist[v]
+        published = self.down.publish(close.version, values)
         # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
-        self.values[p], self.published[p] = values, hist
+        self.values[p], self.newest[p] = values, published
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
-        return Publication(p, close.version, values, encoded, close, elapsed)
+        return Publication(p, published, close, elapsed)
 
     def round_share(self, close: RoundClose) -> float:
         """The share of a full round's work a round merged: its tokens over the tokens every
@@ -242,6 +242,7 @@ class SynchronizerCore:
     def commit(self, pub: Publication, now: float) -> None:
         self.ledger.record_merge(pub.close)
         self.book.commit(pub.close, pub.sync_time_s, now)
+        self.down.prune(pub.fragment, pub.version - self.cfg.diloco.max_staleness_versions)
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
@@ -253,7 +254,7 @@ class SynchronizerCore:
     def messages(self, pub: Publication, learners: Iterable[str]) -> dict[str, Message]:
         """What each of `learners` receives of `pub` (full values, or the quantized difference
         to what it holds: downstream.py). The caller sends them and reports `sent`."""
-        return self.down.messages(pub.fragment, pub.version, pub.values, learners, pub.encoded)
+        return self.down.messages(pub.fragment, pub.published, learners)
 
     def catch_up(self, meta: ContributionMeta, verdict: Verdict) -> Message | None:
         """The newest version of the fragment for the learner whose contribution was just
@@ -262,8 +263,7 @@ class SynchronizerCore:
         if self.cfg.diloco.publish_to == "all" or verdict not in CATCH_UP:
             return None
         p = meta.fragment
-        version = max(self.published[p])
-        return self.down.messages(p, version, self.values[p], [meta.learner])[meta.learner]
+        return self.down.messages(p, self.newest[p], [meta.learner])[meta.learner]
 
     def sent(self, learner: str, nbytes: int) -> None:
         self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes
@@ -290,16 +290,15 @@ class SynchronizerCore:
             if high <= frag.version:
                 continue
             lost += high - frag.version
-            hist = self.published[p]
             frag.version = high + 1
-            self.published[p] = {high + 1: hist[max(hist)]}
+            self.newest[p] = dataclasses.replace(self.newest[p], version=high + 1)
         return lost
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "values": self.values,
             "outer_states": self.outer_states,
-            "published": [{v: hist[v] for v in [max(hist)]} for hist in self.published],
+            "published": [{pub.version: pub.decoded} for pub in self.newest],
             "book": self.book.state_dict(),
             "ledger": self.ledger.state_dict(),
             "bytes_up": dict(self.bytes_up),
@@ -311,7 +310,12 @@ class SynchronizerCore:
             {k: np.asarray(a, np.float32) for k, a in v.items()} for v in state["values"]
         ]
         self.outer_states = list(state["outer_states"])
-        self.published = [{int(v): vals for v, vals in h.items()} for h in state["published"]]
+        self.newest = []
+        for values, newest in zip(self.values, state["published"], strict=True):
+            ((version, decoded),) = newest.items()
+            # float32: exactly the values learners hold, whatever dtype they came in
+            full = wire.encode_tree(decoded, "float32")
+            self.newest.append(Published(int(version), values, full, decoded))
         self.book.load_state_dict(state["book"], now)
         self.ledger.load_state_dict(state["ledger"])
         self.bytes_up = dict(state["bytes_up"])

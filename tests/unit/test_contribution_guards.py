@@ -95,6 +95,7 @@ def test_a_replayed_contribution_is_refused_and_merged_once() -> None:
     meta, delta = _meta(4), _delta(core)
     assert core.offer(meta, delta, now=1.0) is Verdict.ACCEPTED
     (pub,) = core.poll(now=2.0)
+    core.messages(pub, ["learner-0"])  # version 1 goes back to it
     before = _state(core)
     # the same message again, after its round merged, and again with the round's base
     assert core.offer(meta, delta, now=3.0) is Verdict.REPLAYED
@@ -117,7 +118,8 @@ def test_corrupted_updates_are_refused_once_the_guard_is_armed(anchor: str) -> N
         step += 4
         base = core.book.versions()[0]
         assert core.offer(_meta(step, base=base), _delta(core, seed=i), now=i) is Verdict.ACCEPTED
-        core.poll(now=i + 0.5)
+        (pub,) = core.poll(now=i + 0.5)
+        core.messages(pub, ["learner-0"])  # each version goes back to it
     base = core.book.versions()[0]
     before = _state(core)
     huge = _delta(core, scale=10.0, seed=9)
@@ -133,17 +135,18 @@ def test_corrupted_updates_are_refused_once_the_guard_is_armed(anchor: str) -> N
     assert core.offer(_meta(step + 12, base=base), _delta(core), now=10.0) is Verdict.ACCEPTED
 
 
-def test_base_anchoring_keeps_only_the_newest_published_version() -> None:
-    core = _core("diloco.anchor=base")
+def test_the_synchronizer_keeps_only_the_bases_a_learner_may_still_use() -> None:
+    # Current anchoring reconstructs theta from the learner's base: the record keeps the
+    # versions from its last accepted base on (and the newest), not a fixed history.
+    core = _core("diloco.max_staleness_versions=4")
     for i in range(3):
-        core.offer(_meta(4 * (i + 1), base=i), _delta(core, seed=i), now=i)
-        core.poll(now=i + 0.5)
-    assert list(core.published[0]) == [3]
-    kept = _core("diloco.max_staleness_versions=1")
-    for i in range(3):
-        kept.offer(_meta(4 * (i + 1), base=i), _delta(kept, seed=i), now=i)
-        kept.poll(now=i + 0.5)
-    assert sorted(kept.published[0]) == [2, 3]  # anchor: current keeps the bases it may need
+        meta = _meta(4 * (i + 1), base=i)
+        assert core.offer(meta, _delta(core, seed=i), now=i) is Verdict.ACCEPTED
+        (pub,) = core.poll(now=i + 0.5)
+        core.messages(pub, ["learner-0"])  # it gets each version back
+    assert sorted(core.down.held[0]["learner-0"]) == [2, 3]
+    stale = _meta(16, base=1)
+    assert core.offer(stale, _delta(core), now=9.0) is Verdict.STALE_VERSION
 
 
 @pytest.mark.timeout(120)

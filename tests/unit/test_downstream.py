@@ -37,13 +37,13 @@ def _apply(copy: dict[str, np.ndarray], have: int, msg: Message) -> tuple[dict, 
     return {k: copy[k] + decoded[k] for k in copy}, msg.version
 
 
-def test_float_publications_send_full_values_and_keep_no_copies() -> None:
+def test_float_publications_send_full_values_and_share_the_copies() -> None:
     down = Downstream(DilocoConfig(), num_fragments=1)
-    g = _walk()[0]
-    msgs = down.messages(0, 1, g, ["a", "b"])
+    pub = down.publish(1, _walk()[0])
+    msgs = down.messages(0, pub, ["a", "b"])
     assert msgs["a"] is msgs["b"] and msgs["a"].base is None
     assert msgs["a"].encoded["w"].dtype == "bfloat16"
-    assert down.held == [{}]
+    assert down.base("a", 0, 1) is down.base("b", 0, 1) is pub.decoded
 
 
 def test_error_feedback_keeps_the_copy_within_one_quantization_step() -> None:
@@ -56,10 +56,10 @@ def test_error_feedback_keeps_the_copy_within_one_quantization_step() -> None:
     down.adopted("a", {0: (0, start)})
     copy, have, naive, prev = dict(start), 0, dict(start), start
     for version, g in enumerate(_walk(), start=1):
-        (msg,) = down.messages(0, version, g, ["a"]).values()
+        (msg,) = down.messages(0, down.publish(version, g), ["a"]).values()
         assert msg.base == version - 1 and msg.encoded["w"].dtype == "int4"
         copy, have = _apply(copy, have, msg)
-        np.testing.assert_array_equal(copy["w"], down.held[0]["a"][1]["w"])  # exact record
+        np.testing.assert_array_equal(copy["w"], down.held[0]["a"][version]["w"])  # exact
         half_step = np.repeat(np.frombuffer(msg.encoded["w"].scales, "<f4"), 64) / 2
         assert np.all(np.abs(g["w"] - copy["w"]) <= half_step * (1 + 1e-5) + 1e-7)
         naive = {"w": naive["w"] + wire.decode(wire.encode(g["w"] - prev["w"], "int4"))}
@@ -73,16 +73,22 @@ def test_learners_holding_the_same_copy_share_one_message() -> None:
     start = {"w": np.zeros(SHAPE, np.float32)}
     down.adopted("a", {0: (0, start)})
     down.adopted("b", {0: (0, start)})
-    g1, g2 = _walk()[:2]
-    first = down.messages(0, 1, g1, ["a", "b", "new"])
+    g1, g2 = (down.publish(v, g) for v, g in enumerate(_walk()[:2], start=1))
+    first = down.messages(0, g1, ["a", "b", "new"])
     assert first["a"] is first["b"] and first["a"].base == 0
     assert first["new"].base is None  # holds nothing known: the full value, in bfloat16
     assert first["new"].encoded["w"].dtype == "bfloat16"
     # only a gets version 2 (publish_to: contributors): b is now one version behind
-    (to_a,) = down.messages(0, 2, g2, ["a"]).values()
-    both = down.messages(0, 3, g2, ["a", "b"])
+    (to_a,) = down.messages(0, g2, ["a"]).values()
+    both = down.messages(0, down.publish(3, g2.values), ["a", "b"])
     assert both["a"].base == 2 and both["b"].base == 1 and both["a"] is not both["b"]
     assert to_a.base == 1
+    # a's copies: what its contributions may be based on, until it contributes on a newer one
+    assert sorted(down.held[0]["a"]) == [0, 1, 2, 3]
+    down.offered("a", 0, base=2)
+    assert sorted(down.held[0]["a"]) == [2, 3]
+    down.prune(0, oldest=3)
+    assert sorted(down.held[0]["a"]) == [3] and sorted(down.held[0]["b"]) == [3]
 
 
 def _learner() -> LearnerCore:
