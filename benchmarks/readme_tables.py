@@ -40,18 +40,36 @@ def _rate(gbps: float) -> str:
 
 
 def quality(data: dict[str, Any]) -> str:
-    rows = [
-        {
-            "variant": r["variant"],
-            "held-out loss": _num(r["heldout_loss"]),
+    meta = data["meta"]
+    by_name = {r["variant"]: r for r in data["rows"]}
+
+    def row(r: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "held-out loss (mean)": _num(r["heldout_loss"]),
+            "spread (max - min)": _num(r["spread"]),
             "vs data-parallel": _pct(r["vs_data_parallel"]),
-            "rounds": r["rounds"] or "-",
+            "vs synchronous": _pct(r["vs_synchronous"]),
+            "rounds": f"{r['rounds']:.0f}" if r["rounds"] else "-",
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
-            "bytes/token": f"{r['bytes_per_token']:.4g}",
+            "refused": ", ".join(map(str, r["refused"])),
         }
-        for r in data["rows"]
+
+    variants = [
+        {"variant": v, "seeds": by_name[v]["seeds"], **row(by_name[v])}
+        for v in meta["variants"]
+        if v in by_name
     ]
-    return markdown_table(rows, list(rows[0]))
+    out = markdown_table(variants, list(variants[0]))
+    sweep = [
+        {"outer optimizer (default variant, seed 0)": v, **row(by_name[v])}
+        for v in meta["sweep"]
+        if v in by_name
+    ]
+    if sweep:
+        keep = ["outer optimizer (default variant, seed 0)", "held-out loss (mean)"]
+        keep += ["vs data-parallel", "vs synchronous", "refused"]
+        out += "\n\n" + markdown_table(sweep, keep)
+    return out
 
 
 def goodput(data: dict[str, Any]) -> str:
@@ -77,15 +95,22 @@ def bandwidth(data: dict[str, Any]) -> str:
     rows = [
         {
             "mode": r["mode"],
-            "wire": r["wire"],
+            "H": r["H"],
+            "up / down": f"{r['up']} / {r['down']}",
             "bytes/token": f"{r['bytes_per_token']:.4g}",
             "fewer than DP": f"{r['x_fewer_than_dp']:.3g}x",
+            "bound 8H/(b_up+b_down)": f"{r['bound']:.3g}x" if r["bound"] else "-",
             "held-out loss": _num(r["heldout_loss"]),
-            "needs for goodput 0.95": _rate(r["gbps_for_goodput_0.95"]),
+            "vs bfloat16": _pct(r["loss_vs_bf16"]),
+            "refused": r["refused"],
         }
         for r in data["rows"]
     ]
-    return markdown_table(rows, list(rows[0]))
+    needs = [
+        {"mode": mode, "link for goodput 0.95": _rate(gbps)}
+        for mode, gbps in data["meta"]["needs_gbps"].items()
+    ]
+    return markdown_table(rows, list(rows[0])) + "\n\n" + markdown_table(needs, list(needs[0]))
 
 
 def overhead(data: dict[str, Any]) -> str:
