@@ -7,7 +7,7 @@ run has over 100 outer steps per fragment on this machine (`common.HORIZON`): a 
 64-wide model, sequences of 16 bytes, a global batch of 32 sequences split over the M learners
 (8 each for M = 4), 1.28M tokens (2,500 inner steps). Every variant runs with 3 seeds (mean
 and spread), spread over `--jobs` processes. `--sweep` instead runs the default variant with
-other outer optimizer settings (one seed each) and writes quality-sweep.json.
+other outer optimizer settings (one seed each) and writes quality_sweep.json.
 
     python benchmarks/quality.py --jobs 2           # the variants, 3 seeds each
     python benchmarks/quality.py --sweep --jobs 2   # the outer-optimizer sweep
@@ -163,7 +163,7 @@ def main() -> None:
     ]
     runs = [_report(r) for r in run_parallel(run_one, jobs, args.jobs)]
     rows = summarize(runs, list(points))
-    name = "quality" + ("-sweep" if args.sweep else "") + ("-quick" if args.quick else "")
+    name = "quality" + ("_sweep" if args.sweep else "") + ("-quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.sweep:
         plot(runs, list(points), args.out / f"{name}.png")

@@ -40,36 +40,35 @@ def _rate(gbps: float) -> str:
 
 
 def quality(data: dict[str, Any]) -> str:
-    meta = data["meta"]
-    by_name = {r["variant"]: r for r in data["rows"]}
-
-    def row(r: dict[str, Any]) -> dict[str, Any]:
-        return {
+    rows = [
+        {
+            "variant": r["variant"],
+            "seeds": r["seeds"],
             "held-out loss (mean)": _num(r["heldout_loss"]),
             "spread (max - min)": _num(r["spread"]),
             "vs data-parallel": _pct(r["vs_data_parallel"]),
             "vs synchronous": _pct(r["vs_synchronous"]),
             "rounds": f"{r['rounds']:.0f}" if r["rounds"] else "-",
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
+            "refused (per seed)": ", ".join(map(str, r["refused"])),
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
+def quality_sweep(data: dict[str, Any]) -> str:
+    paper = next(r["heldout_loss"] for r in data["rows"] if r["variant"] == PAPER_OUTER)
+    rows = [
+        {
+            "outer optimizer": r["variant"],
+            "held-out loss": _num(r["heldout_loss"]),
+            f"vs {PAPER_OUTER}": _pct(r["heldout_loss"] / paper - 1),
             "refused": ", ".join(map(str, r["refused"])),
         }
-
-    variants = [
-        {"variant": v, "seeds": by_name[v]["seeds"], **row(by_name[v])}
-        for v in meta["variants"]
-        if v in by_name
+        for r in data["rows"]
     ]
-    out = markdown_table(variants, list(variants[0]))
-    sweep = [
-        {"outer optimizer (default variant, seed 0)": v, **row(by_name[v])}
-        for v in meta["sweep"]
-        if v in by_name
-    ]
-    if sweep:
-        keep = ["outer optimizer (default variant, seed 0)", "held-out loss (mean)"]
-        keep += ["vs data-parallel", "vs synchronous", "refused"]
-        out += "\n\n" + markdown_table(sweep, keep)
-    return out
+    return markdown_table(rows, list(rows[0]))
 
 
 def goodput(data: dict[str, Any]) -> str:
@@ -138,6 +137,7 @@ def overhead(data: dict[str, Any]) -> str:
     return markdown_table(rows, ["measure", "value"])
 
 
+PAPER_OUTER = "lr 0.7, momentum 0.9"  # DiLoCo's outer optimizer, the sweep's reference point
 RECOVERY_NAMES = {"kill_host_multi": "kill_host (two-host v5p learner)"}
 
 
@@ -174,6 +174,7 @@ def goodput_sim(data: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
+    "quality_sweep": quality_sweep,
     "goodput": goodput,
     "bandwidth": bandwidth,
     "overhead": overhead,
