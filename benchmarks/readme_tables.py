@@ -71,6 +71,27 @@ def quality_sweep(data: dict[str, Any]) -> str:
     return markdown_table(rows, list(rows[0]))
 
 
+def outer_rules(data: dict[str, Any]) -> str:
+    rows = []
+    for r in data["rows"]:
+        quorum, anchor, step, to = (r["rule"].split(", ") + ["-"] * 3)[:4]
+        rows.append(
+            {
+                "rounds close at": quorum,
+                "anchor": anchor,
+                "round step": step,
+                "publish to": to,
+                "held-out loss": _num(r["heldout_loss"]),
+                "vs data-parallel": "diverged"
+                if r["vs_data_parallel"] is None
+                else _pct(r["vs_data_parallel"]),
+                "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
+                "refused": r["refused"],
+            }
+        )
+    return markdown_table(rows, list(rows[0]))
+
+
 def goodput(data: dict[str, Any]) -> str:
     rows = [
         {
@@ -175,6 +196,7 @@ def goodput_sim(data: dict[str, Any]) -> str:
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
     "quality_sweep": quality_sweep,
+    "outer_rules": outer_rules,
     "goodput": goodput,
     "bandwidth": bandwidth,
     "overhead": overhead,

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ray_diloco.actors.host_faults import nan_encoded
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
 from ray_diloco.algorithm.sync_core import SynchronizerCore
@@ -61,10 +62,11 @@ def test_broken_contributions_are_refused_with_their_reason() -> None:
     core = _core()
     good = _delta(core)
     k = _leaf(good)
-    wrong_shape = {**good, k: wire.encode(np.zeros((3, 3), np.float32), "bfloat16")}
+    dtype = core.cfg.diloco.wire_dtype
+    wrong_shape = {**good, k: wire.encode(np.zeros((3, 3), np.float32), dtype)}
     wrong_dtype = {**good, k: wire.encode(wire.decode(good[k]), "float32")}
     truncated = {**good, k: dataclasses.replace(good[k], payload=good[k].payload[:-2])}
-    other = wire.encode_tree({p: np.zeros_like(v) for p, v in core.values[1].items()}, "bfloat16")
+    other = wire.encode_tree({p: np.zeros_like(v) for p, v in core.values[1].items()}, dtype)
     cases = [
         (_meta(4, fragment=7), good, Verdict.UNKNOWN_FRAGMENT),
         (_meta(4, fragment=0), other, Verdict.MALFORMED),  # fragment 1's leaves sent as 0
@@ -124,11 +126,7 @@ def test_corrupted_updates_are_refused_once_the_guard_is_armed(anchor: str) -> N
     before = _state(core)
     huge = _delta(core, scale=10.0, seed=9)
     assert core.offer(_meta(step + 4, base=base), huge, now=9.0) is Verdict.NORM_OUTLIER
-    nan = {k: wire.encode(np.full(e.shape, 1.0), "bfloat16") for k, e in huge.items()}
-    k = _leaf(nan)
-    nan[k] = dataclasses.replace(
-        nan[k], payload=(0x7FC0).to_bytes(2, "little") * (nan[k].num_elements)
-    )
+    nan = {k: nan_encoded(e) for k, e in huge.items()}  # what a diverged learner sends
     assert core.offer(_meta(step + 8, base=base), nan, now=9.0) is Verdict.NON_FINITE
     _assert_unchanged(core, before)
     # honest work goes on being accepted
