@@ -16,12 +16,12 @@ linearly from 0 over the first outer steps (counted in shares).
 
 Values and state are NumPy float32 on the host (the synchronizer checkpoints and pickles them).
 
-Example, one full step from 0 with the defaults (lr 0.7, momentum 0.9, Nesterov) and gradient 1
-moves by `-0.7 * (1 + 0.9 * 1) = -1.33`:
+Example, one full step from 0 with DiLoCo's outer optimizer (lr 0.7, Nesterov momentum 0.9, no
+warm-up) and gradient 1 moves by `-0.7 * (1 + 0.9 * 1) = -1.33`:
 
 >>> import numpy as np
 >>> from ray_diloco.config import OuterOptimizerConfig
->>> opt = OuterOptimizerConfig()
+>>> opt = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_steps=0)
 >>> values = {"w": np.zeros(2, np.float32)}
 >>> state = init_outer_state(opt, values)
 >>> values, state = outer_step(opt, values, state, {"w": np.ones(2, np.float32)})

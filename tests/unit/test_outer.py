@@ -18,7 +18,7 @@ def test_nesterov_two_steps_hand_computed() -> None:
     # look-ahead), scaled by -lr. lr 0.7, m 0.9, g = 1 twice from x = 0:
     #   step 1: trace = 1,   update = -0.7 * (1 + 0.9 * 1)   = -1.33   -> x = -1.33
     #   step 2: trace = 1.9, update = -0.7 * (1 + 0.9 * 1.9) = -1.897  -> x = -3.227
-    opt = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)
+    opt = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True, momentum_warmup_steps=0)
     values = {"w": np.zeros(3, np.float32)}
     state = init_outer_state(opt, values)
     grad = {"w": np.ones(3, np.float32)}
@@ -35,7 +35,7 @@ def test_nesterov_two_steps_hand_computed() -> None:
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_full_steps_match_optax_sgd(nesterov: bool) -> None:
-    opt = OuterOptimizerConfig(lr=0.3, momentum=0.8, nesterov=nesterov)
+    opt = OuterOptimizerConfig(lr=0.3, momentum=0.8, nesterov=nesterov, momentum_warmup_steps=0)
     tx = optax.sgd(opt.lr, momentum=opt.momentum, nesterov=nesterov)
     rng = np.random.default_rng(0)
     ours = {"w": rng.normal(size=5).astype(np.float32)}
@@ -51,7 +51,7 @@ def test_full_steps_match_optax_sgd(nesterov: bool) -> None:
 
 def test_plain_momentum_two_steps() -> None:
     # Without Nesterov the update is the trace itself: -0.5 * 1 then -0.5 * 1.5 -> x = -1.25.
-    opt = OuterOptimizerConfig(lr=0.5, momentum=0.5, nesterov=False)
+    opt = OuterOptimizerConfig(lr=0.5, momentum=0.5, nesterov=False, momentum_warmup_steps=0)
     values = {"w": np.zeros(1, np.float32)}
     state = init_outer_state(opt, values)
     for _ in range(2):
@@ -62,7 +62,7 @@ def test_plain_momentum_two_steps() -> None:
 def test_partial_step_hand_computed() -> None:
     # share 0.25, lr 0.7, m 0.81 (so m**0.25 = 0.9**0.5), g = 1 from a trace of 2:
     #   trace = 0.9**0.5 * 2 + 0.25 * 1 = 2.147366;  update = 0.25 * (1 + 0.81 * 2.147366)
-    opt = OuterOptimizerConfig(lr=0.7, momentum=0.81)
+    opt = OuterOptimizerConfig(lr=0.7, momentum=0.81, momentum_warmup_steps=0)
     state = {"trace": {"w": np.full(1, 2.0, np.float32)}, "steps": np.float32(3)}
     values, state = outer_step(opt, {"w": np.zeros(1, np.float32)}, state, {"w": np.ones(1)}, 0.25)
     trace = 0.9**0.5 * 2 + 0.25
