@@ -114,10 +114,9 @@ class DilocoConfig(_Frozen):
     # Versions of a fragment a contribution's base may lag behind (fencing). With K = 1 and
     # publish_to: contributors a learner's base lags about M versions by construction.
     max_staleness_versions: int = Field(16, ge=0)
-    # Outer gradient of a contribution. "current": G_now - theta (algorithm.md section 6 as
-    # written). "base": the learner's own update, G_base - theta, so a contribution based on an
-    # older version adds its work instead of pulling G back toward that version; the
-    # synchronizer then keeps no published version but the newest.
+    # Outer gradient of a contribution. "current" (default, measured better): G_now - theta
+    # (algorithm.md section 6). "base": the learner's own update, G_base - theta, so a
+    # contribution based on an older version adds its work instead of pulling G toward theta.
     anchor: Literal["current", "base"] = "current"
     # Step size of a round. "full": every round takes a whole outer step. "share": a round
     # that merged a share s of a full round's tokens (every live learner's sync_every steps)

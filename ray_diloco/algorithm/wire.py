@@ -201,7 +201,7 @@ def tree_wire_bytes(leaf_sizes: Mapping[str, int], dtype: WireDtype, block_size:
 
 
 def publish_dtype(wire_dtype: WireDtype) -> WireDtype:
-    """Dtype of a published global fragment (docs/contracts.md): float32 when the wire is
-    float32, else bfloat16; the downstream value is not quantized to int8/int4, because it
-    replaces the learner's parameters outright rather than adding a small delta."""
+    """Dtype of a fragment's full values sent down: float32 when the wire is float32, else
+    bfloat16. Full values are never quantized to int8/int4/int2, because they replace the
+    learner's parameters outright; quantized publications are differences (downstream.py)."""
     return "float32" if wire_dtype == "float32" else "bfloat16"
