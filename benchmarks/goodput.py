@@ -18,7 +18,6 @@ held-out loss at 90% of the tokens.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from matplotlib.figure import Figure
 
 from ray_diloco.sim.simulate import run_reference
 
-from common import REFERENCE, horizon_config, parser, run_parallel, write_results
+from common import REFERENCE, horizon_config, lower_priority, parser, run_parallel, write_results
 
 CONFIG = REFERENCE
 BUDGET = 640_000
@@ -40,7 +39,7 @@ MODES = ["decoupled", "synchronous", "data_parallel"]
 
 def run(job: tuple[str, float | None, bool]) -> dict[str, Any]:
     mode, mtbf_s, quick = job
-    os.nice(10)
+    lower_priority()
     if mtbf_s and quick:
         mtbf_s /= 10  # the quick run is ~10x shorter: keep a few failures in it
     chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf_s}"] if mtbf_s else []

@@ -11,13 +11,12 @@ tokens (640k, about 52 outer steps per fragment), seed 0. The default is the bes
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
 from ray_diloco.sim.simulate import run_reference
 
-from common import horizon_config, parser, run_parallel, write_results
+from common import horizon_config, lower_priority, parser, run_parallel, write_results
 
 BUDGET = 640_000
 QUORUMS = {
@@ -46,7 +45,7 @@ def grid() -> dict[str, list[str]]:
 
 def run(job: tuple[str, list[str], bool]) -> dict[str, Any]:
     name, overrides, quick = job
-    os.nice(10)
+    lower_priority()
     budget = 40_000 if quick else BUDGET
     t0 = time.perf_counter()
     s = run_reference(horizon_config([*overrides, f"token_budget={budget}"], quick=quick))

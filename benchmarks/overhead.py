@@ -54,15 +54,15 @@ def one_learner(steps: int, run_dir: Path, name: str) -> RunConfig:
 
 def bare(cfg: RunConfig, merge: bool = True) -> dict[str, float]:
     from ray_diloco.algorithm.learner_core import LearnerCore
+    from ray_diloco.algorithm.setup import Setup
     from ray_diloco.algorithm.sync_core import SynchronizerCore
     from ray_diloco.algorithm.wire import decode_tree
-    from ray_diloco.sim.simulate import Setup
 
     setup = Setup.build(cfg)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
     lg = cfg.learners[0]
     sync.register(lg.name, 0, time.monotonic())
-    core = LearnerCore(cfg, lg, setup.plan, sync.snapshot(), setup.corpus.train)
+    core = LearnerCore(cfg, lg, setup.task, setup.layout, setup.plan, sync.snapshot())
     start, first = 0.0, 0
     while sync.ledger.tokens_trained < cfg.token_budget:
         t0 = time.perf_counter()
@@ -102,8 +102,8 @@ def merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, fl
 
     from ray_diloco.algorithm import wire
     from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.setup import Setup, tokens_per_step
     from ray_diloco.algorithm.sync_core import SynchronizerCore
-    from ray_diloco.sim.simulate import Setup
 
     setup = Setup.build(cfg)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
@@ -111,7 +111,8 @@ def merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, fl
     for n in names:
         sync.register(n, 0, now=0.0)
     rng = np.random.default_rng(0)
-    steps, tokens = cfg.diloco.sync_every, cfg.diloco.sync_every * 32 * cfg.model.seq_len
+    steps = cfg.diloco.sync_every
+    tokens = steps * tokens_per_step(setup.task, cfg.learners[0])
     merged_bytes, seconds, now = 0, 0.0, 0.0
     for r in range(rounds + 1):  # round 0 compiles the outer step: not timed
         for p, paths in enumerate(setup.plan.fragments):
@@ -159,8 +160,9 @@ def on_ray(cfg: RunConfig) -> dict[str, float]:
     changes = [e for e in events if e["kind"] == "learner_state_changed"]
     start = next(e["t"] for e in changes if e["state"] == "training")
     end = next(e["t"] for e in changes if e["state"] == "finished")
-    steps = summary["learners"]["solo"]["inner_steps"] - 1
-    tokens = steps * cfg.learners[0].batch_size * cfg.model.seq_len
+    solo = summary["learners"]["solo"]
+    steps = solo["inner_steps"] - 1  # the first (compiling) step is not timed
+    tokens = steps * solo["tokens"] / solo["inner_steps"]
     return {"steps": steps, "seconds": end - start, "tokens_per_s": tokens / (end - start)}
 
 

@@ -5,18 +5,19 @@ on the in-process reference run (`ray_diloco.sim.simulate`), which is determinis
 The setting is `jobs/reference.yaml` (P = H = 24, tau = 2) with a smaller model and batch, so a
 run has over 100 outer steps per fragment on this machine (`common.HORIZON`): a 3-layer,
 64-wide model, sequences of 16 bytes, a global batch of 32 sequences split over the M learners
-(8 each for M = 4), 1.28M tokens (2,500 inner steps). Every variant runs with 3 seeds (mean
-and spread), spread over `--jobs` processes. `--sweep` instead runs the default variant with
-other outer optimizer settings (one seed each) and writes quality_sweep.json.
+(8 each for M = 4), 1.28M tokens (2,500 inner steps). Every variant runs with `--seeds`
+seeds (default 3: mean and spread), spread over `--jobs` processes. `--sweep` instead runs the
+default variant with other outer optimizer settings (one seed each) and writes
+quality_sweep.json.
 
     python benchmarks/quality.py --jobs 2           # the variants, 3 seeds each
+    python benchmarks/quality.py --jobs 2 --seeds 1 # seed 0 only
     python benchmarks/quality.py --sweep --jobs 2   # the outer-optimizer sweep
     python benchmarks/quality.py --quick            # tiny model, smoke check
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from common import (
     QUICK_MODEL,
     REFERENCE,
     horizon_config,
+    lower_priority,
     parser,
     run_parallel,
     write_results,
@@ -67,7 +69,7 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
     from ray_diloco.sim.simulate import run_reference
 
     name, overrides, num_learners, seed, quick = job
-    os.nice(10)
+    lower_priority()
     t0 = time.perf_counter()
     s = run_reference(horizon_config(overrides, num_learners, seed, quick))
     return {
@@ -148,8 +150,9 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="subset of variants (or of sweep points)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time, one process each")
     p.add_argument("--sweep", action="store_true", help="the outer-optimizer sweep instead")
+    p.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds per variant (from 0)")
     args = p.parse_args()
-    seeds = QUICK_SEEDS if args.quick else SEEDS
+    seeds = QUICK_SEEDS if args.quick else SEEDS[: args.seeds]
     if args.sweep:
         points = {n: (ov, 4) for n, ov in SWEEP.items()}
         seeds = seeds[:1]

@@ -115,7 +115,7 @@ def bandwidth(data: dict[str, Any]) -> str:
     rows = [
         {
             "mode": r["mode"],
-            "H": r["H"],
+            "H": r["H"] or "-",
             "up / down": f"{r['up']} / {r['down']}",
             "bytes/token": f"{r['bytes_per_token']:.4g}",
             "fewer than DP": f"{r['x_fewer_than_dp']:.3g}x",
@@ -178,19 +178,64 @@ def recovery(data: dict[str, Any]) -> str:
 
 
 def goodput_sim(data: dict[str, Any]) -> str:
-    rows = data["rows"]
+    rows, meta = data["rows"], data["meta"]
     learners = sorted({r["learners"] for r in rows if r["system"] == "decoupled"})
-    cols = ["chips", "data-parallel", "elastic DP", *(f"decoupled M={m}" for m in learners)]
+    systems = [("data_parallel", 1, "data-parallel"), ("elastic_dp", 1, "elastic DP")]
+    systems += [("decoupled", m, f"decoupled M={m}") for m in learners]
     table = []
     for chips in sorted({r["chips"] for r in rows}):
-        at = {(r["system"], r["learners"]): r["goodput"] for r in rows if r["chips"] == chips}
+        at = {(r["system"], r["learners"]): r for r in rows if r["chips"] == chips}
         row = {"chips": f"{chips:,}"}
-        row["data-parallel"] = f"{100 * at[('data_parallel', 1)]:.1f}%"
-        row["elastic DP"] = f"{100 * at[('elastic_dp', 1)]:.1f}%"
-        for m in learners:
-            row[f"decoupled M={m}"] = f"{100 * at[('decoupled', m)]:.1f}%"
+        for system, m, name in systems:
+            r = at[(system, m)]
+            pub = f" **[{100 * r['published']:.0f}%]**" if r.get("published") is not None else ""
+            row[name] = f"{100 * r['goodput']:.1f}% ({100 * r['uptime']:.0f}%){pub}"
         table.append(row)
-    return markdown_table(table, cols)
+    parts = sorted(meta["cpu_s_by_part"].items(), key=lambda kv: -kv[1])
+    timing = (
+        f"Goodput (uptime), **[published]** at 1.2M chips. The sweep took "
+        f"**{meta['cpu_s']:.1f} s of CPU** on one core ({meta['wall_s']:.1f} s wall, load "
+        f"{meta['load_avg_1min']:.0f} on the 2 cores); by part: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in parts)
+        + "."
+    )
+    return markdown_table(table, ["chips", *(name for _, _, name in systems)]) + f"\n\n{timing}"
+
+
+def bandwidth_sim(data: dict[str, Any]) -> str:
+    links = list(data["rows"][0]["goodput_on"])
+    rows = []
+    for r in data["rows"]:
+        row = {
+            "preset": r["preset"],
+            "datacenters": r["datacenters"],
+            "system": r["system"].replace("_", "-"),
+            "H = P, tau": "-" if r["system"] == "data_parallel" else f"{r['H']}, {r['tau']}",
+            "wire (up/down)": r["wire"],
+            "needs": _rate(r["needed_gbps"]),
+            "published": "-" if r["published_gbps"] is None else _rate(r["published_gbps"]),
+        }
+        for g in links:
+            row[f"goodput on {g} Gbps"] = f"{100 * r['goodput_on'][g]:.1f}%"
+        rows.append(row)
+    return markdown_table(rows, list(rows[0]))
+
+
+def scavenging(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "system": r["mode"].replace("_", "-"),
+            "extra compute": f"+{r['extra_compute_pct']}%",
+            "temporary learners": r["temporary_learners"],
+            "time to target": _num(r["time_to_target_s"], 2),
+            "relative": _num(r["relative_time"], 2),
+            "published": f"{r['published']:.2f}",
+            "final loss": _num(r["final_loss"]),
+            "ledger exact": "yes" if r["ledger_violations"] == 0 else "no",
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
 
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -202,6 +247,9 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "overhead": overhead,
     "recovery": recovery,
     "goodput_sim": goodput_sim,
+    "goodput_sim_slow_repair": goodput_sim,
+    "bandwidth_sim": bandwidth_sim,
+    "scavenging": scavenging,
 }
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ray_diloco.cluster import slices
+
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the field and the fix."""
@@ -23,47 +25,9 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ModelConfig(_Frozen):
-    """Decoder-only byte-level transformer (algorithm/model.py)."""
-
-    vocab_size: int = Field(256, ge=2)
-    d_model: int = Field(96, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    d_ff: int = Field(384, ge=8)
-    seq_len: int = Field(64, ge=4)
-    tie_embeddings: bool = False
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.num_heads="
-                f"{self.num_heads}; pick a head count that divides d_model"
-            )
-        return self
-
-    @property
-    def num_leaves(self) -> int:
-        """Parameter leaves of algorithm/model.py: token and position embeddings, 8 per block
-        (2 norms, q/k/v/o, up/down), the final norm and, unless tied, the output projection.
-        A unit test pins this against the real model."""
-        return 2 + 8 * self.num_layers + 1 + (0 if self.tie_embeddings else 1)
-
-
-class DataConfig(_Frozen):
-    """Byte-level corpus (algorithm/data.py). `paths` empty means: the Python stdlib source."""
-
-    source: Literal["files", "synthetic"] = "files"
-    paths: tuple[str, ...] = ()
-    heldout_fraction: float = Field(0.02, gt=0.0, lt=0.5)
-    max_corpus_bytes: int = Field(24_000_000, ge=10_000)
-    eval_batches: int = Field(8, ge=1)
-    eval_batch_size: int = Field(32, ge=1)
-
-
 class InnerOptimizerConfig(_Frozen):
-    """AdamW with linear warm-up and cosine decay to `final_lr_fraction * lr`."""
+    """The default inner optimizer (a task may bring its own): AdamW with linear warm-up and
+    cosine decay to `final_lr_fraction * lr`."""
 
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
@@ -147,16 +111,41 @@ class LearnerGroupConfig(_Frozen):
     topology: str | None = None
     num_hosts: int = Field(1, ge=1)
     region: str = "local"
-    batch_size: int = Field(32, description="sequences per inner step, whole learner")
+    batch_size: int = Field(32, description="examples per inner step, whole learner")
     speed: float = Field(1.0, gt=0, description="emulated speed factor; 0.82 is 18% slower")
     jitter: float = Field(0.0, ge=0, lt=1, description="relative per-step time noise (std)")
     cpus_per_host: float = Field(1.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tpu_hosts(cls, data: Any) -> Any:
+        """A TPU learner's hosts come from its slice shape (cluster/slices.py): `num_hosts`
+        may be left out when the topology has one shape, and must be given (and fit) when
+        it has two (v6e 2x4: one 8-chip host or two 4-chip hosts)."""
+        if not isinstance(data, dict):
+            return data
+        accel, topology = data.get("accelerator"), data.get("topology")
+        if not (isinstance(accel, str) and accel.startswith("tpu") and isinstance(topology, str)):
+            return data
+        hosts = data.get("num_hosts")
+        try:
+            shape = slices.resolve(accel, topology, hosts if isinstance(hosts, int) else None)
+        except slices.UnknownShape as err:
+            raise ValueError(f"learner {data.get('name')!r}: {err}") from None
+        return {**data, "topology": shape.topology, "num_hosts": shape.num_hosts}
+
+    @property
+    def slice_shape(self) -> slices.SliceShape | None:
+        """The TPU slice this learner runs on (None for CPU and GPU learners)."""
+        if not self.accelerator.startswith("tpu") or self.topology is None:
+            return None
+        return slices.resolve(self.accelerator, self.topology, self.num_hosts)
 
     @model_validator(mode="after")
     def _check(self) -> LearnerGroupConfig:
         if self.batch_size <= 0:
             raise ValueError(
-                f"learner {self.name!r}: batch_size={self.batch_size} must be >= 1 sequence"
+                f"learner {self.name!r}: batch_size={self.batch_size} must be >= 1 example"
             )
         if self.accelerator.startswith("tpu") and not self.topology:
             raise ValueError(
@@ -178,10 +167,21 @@ class LinkConfig(_Frozen):
     latency_ms: float = Field(0.0, ge=0)
 
 
+class ClusterConfig(_Frozen):
+    """The real cluster a job runs on, for `ray-diloco plan` (training itself ignores it)."""
+
+    files: tuple[str, ...] = Field(
+        (), description="cluster files: `ray up` YAMLs or KubeRay manifests, relative to cwd"
+    )
+    # The real network between a region and the synchronizer's region, as you expect it: the
+    # plan checks each region's traffic against it. Unlike `links` nothing is emulated.
+    links: dict[str, LinkConfig] = Field(default_factory=dict)
+
+
 class SynchronizerConfig(_Frozen):
     name: str = "synchronizer"
     namespace: str = "ray_diloco"
-    region: str = "local"
+    region: str = Field("local", description="the head's region (the synchronizer runs there)")
     checkpoint_every_rounds: int = Field(48, ge=1)
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     step_time_ema: float = Field(0.2, gt=0, le=1)
@@ -236,6 +236,48 @@ class CheckpointConfig(_Frozen):
     keep: int = Field(2, ge=1)
 
 
+class MembershipChange(_Frozen):
+    """A learner joining (`join`: its group config) or leaving (`leave`: its name) at `at_s`
+    seconds of the run: the reference run and the supervisor both carry it out."""
+
+    at_s: float = Field(ge=0)
+    join: LearnerGroupConfig | None = None
+    leave: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> MembershipChange:
+        if (self.join is None) == (self.leave is None):
+            raise ValueError("a membership change needs exactly one of join: {...} or leave: NAME")
+        return self
+
+
+class ElasticConfig(_Frozen):
+    """Learners joining and leaving a running job, and the data leases that follow them
+    (algorithm/leases.py)."""
+
+    lease_tokens: int = Field(
+        65_536, ge=1, description="tokens of the task's data in one lease (a learner's read-ahead)"
+    )
+    lease_ahead: int = Field(2, ge=1, description="leases a learner holds beyond its cursor")
+    data_parts: int | None = Field(
+        None, ge=1, description="parts the data is cut into; None: the configured learners'"
+    )
+    min_learners: int = Field(
+        1, ge=1, description="a learner out of restarts leaves while more than this remain"
+    )
+    max_learners: int = Field(64, ge=1, description="never more learners than this")
+    scavenge: bool = Field(
+        False, description="start a learner from `templates` on every free node that fits one"
+    )
+    templates: tuple[LearnerGroupConfig, ...] = ()
+    scavenge_interval_s: float = Field(2.0, gt=0)
+    schedule: tuple[MembershipChange, ...] = ()
+    # The reference run's data-parallel baseline re-meshes on every membership change (new
+    # collectives, a recompiled step): Gemini reports tens of seconds per elastic
+    # reconfiguration; 30 inner steps is that at a one-second step.
+    remesh_steps: int = Field(30, ge=0, description="data-parallel pause per change, in steps")
+
+
 class MetricsConfig(_Frozen):
     eval_every_s: float = Field(10.0, gt=0)
     log_every_s: float = Field(2.0, gt=0)
@@ -245,31 +287,84 @@ class MetricsConfig(_Frozen):
 class GoodputSimConfig(_Frozen):
     """Goodput simulation at scale (algorithm.md section 10; `ray-diloco simulate-goodput`).
 
-    Recovery delays are heavy-tailed by default (lognormal): every distribution is set by its
-    median, so switching `recovery` keeps the typical delay and changes only the tail.
+    The defaults are calibrated: each cost is set from what is published or standard for a
+    large TPU job with hot spares and in-memory checkpoints (the reasons are in the field
+    descriptions), once for the whole sweep (150k to 2.4M chips, M = 2 to 16), and with them
+    the sweep lands within 3 points of the published 1.2M-chip anchors (data-parallel 27%,
+    elastic data-parallel 58%, 8 learners 88%). `PRESETS["slow-repair"]` in
+    `sim/goodput_sim.py` keeps the earlier, ten times harsher settings.
     """
 
     chips: int = Field(1_200_000, ge=1)
     num_learners: int = Field(8, ge=1)
     chips_per_slice: int = Field(256, ge=1, description="the unit that fails and is replaced")
-    mtbi_chip_days: float = Field(365.0, gt=0, description="mean time between interruptions")
-    recovery: Literal["lognormal", "exponential", "pareto"] = "lognormal"
-    # Default: a failed slice is swapped for a hot spare (median 60 s, heavy tail). With repair
-    # in place (median ~15 min) every system spends most of its time down at >= 150k chips.
-    recovery_median_s: float = Field(60.0, gt=0)
-    recovery_sigma: float = Field(1.0, gt=0, description="lognormal shape / pareto tail index")
-    restart_cost_s: float = Field(600.0, ge=0, description="data-parallel restart from checkpoint")
-    checkpoint_interval_s: float = Field(
-        600.0, ge=0, description="data-parallel checkpoint period; 0: no work lost on a failure"
+    mtbi_chip_days: float = Field(
+        365.0,
+        gt=0,
+        description="mean time between interruptions of one chip: one chip-year, the published "
+        "setting (1.2M chips then see a slice failure every ~26 s)",
     )
-    reconfig_pause_s: float = Field(120.0, ge=0, description="elastic data-parallel re-mesh")
-    learner_restart_s: float = Field(120.0, ge=0, description="one learner rejoining")
-    round_period_s: float = Field(120.0, gt=0, description="time between two syncs of a fragment")
+    recovery: Literal["lognormal", "exponential", "pareto"] = "lognormal"
+    recovery_median_s: float = Field(
+        10.0,
+        gt=0,
+        description="until a hot spare stands in for a failed slice: the optical circuit "
+        "switch reconfigures cubes into a new torus in ~10 s, with spare cubes kept in every "
+        "superpod for hot standbys (Gemini report, 2023)",
+    )
+    recovery_sigma: float = Field(
+        0.5,
+        gt=0,
+        description="lognormal shape / pareto tail index; 0.5: a scripted swap from a spare "
+        "pool varies less than repairs (sigma ~1 and more)",
+    )
+    restart_cost_s: float = Field(
+        50.0,
+        ge=0,
+        description="data-parallel restart once every slice is back: a re-mesh (20 s) plus "
+        "every host restoring its state from a peer's in-memory copy (~30 s); with the swap, "
+        "about a minute per failure, what the published 27% implies",
+    )
+    checkpoint_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="data-parallel checkpoint period; 0: every step, in memory on peers "
+        "(Gemini's redundant in-memory copies), so a failure loses only the step in flight, "
+        "folded into restart_cost_s",
+    )
+    reconfig_pause_s: float = Field(
+        20.0,
+        ge=0,
+        description="one elastic re-mesh (elastic data-parallel, or a learner taking a slice "
+        "in or out): 'tens of seconds' as reported for Gemini",
+    )
+    learner_mode: Literal["spare", "shrink", "restart"] = Field(
+        "spare",
+        description="what a learner does when one of its slices fails. spare: pauses for the "
+        "hot spare, re-meshes with it (reconfig_pause_s) and goes on with its state; shrink: "
+        "re-meshes onto its healthy slices and goes on with fewer chips; restart: dies, "
+        "comes back learner_restart_s after the slice, and loses its unmerged work",
+    )
+    learner_restart_s: float = Field(
+        120.0, ge=0, description="learner_mode=restart: one learner rejoining"
+    )
+    round_period_s: float = Field(
+        3600.0,
+        gt=0,
+        description="how often a learner offers its work to the RoundBook: its fragment rounds "
+        "coalesced into one offer. The book costs tens of us of CPU per offer, so this sets "
+        "the sweep's run time. A spare or shrink learner keeps its state through a pause, so "
+        "the period sets the resolution of the rounds, not the goodput (120 s gives the same "
+        "to 0.1 point, ~30x slower); a restart learner loses up to one period at each death",
+    )
     straggler_cv: float = Field(0.05, ge=0, description="std/mean of a learner's round time")
     sync_time_s: float = Field(1.0, ge=0, description="virtual merge + publish time per round")
     quorum_min: int = Field(1, ge=1)
-    uptime_window_s: float | None = Field(
-        None, gt=0, description="uptime counts windows of this length; None: 2 x round_period_s"
+    uptime_window_s: float = Field(
+        10.0,
+        gt=0,
+        description="uptime: the fraction of windows of this length in which the global model "
+        "advanced (a data-parallel job kept training; for decoupled, quorum_min learners ran)",
     )
     duration_days: float = Field(30.0, gt=0)
     seed: int = 0
@@ -294,9 +389,52 @@ class GoodputSimConfig(_Frozen):
             )
         return self
 
-    @property
-    def uptime_window(self) -> float:
-        return self.uptime_window_s if self.uptime_window_s is not None else 2 * self.round_period_s
+
+class BandwidthSimConfig(_Frozen):
+    """Cross-datacenter bandwidth of data-parallel training against Decoupled DiLoCo
+    (algorithm.md section 9; `ray-diloco simulate-bandwidth`). The defaults are this
+    project's method settings; `PRESETS` in `sim/bandwidth_sim.py` holds the assumptions that
+    reproduce the published pair (198 vs 0.84 Gbps across 8 datacenters)."""
+
+    model_params: float = Field(
+        12e9, gt=0, description="parameters; 12B, the model of the published four-region run"
+    )
+    step_time_s: float = Field(
+        1.7,
+        gt=0,
+        description="inner step time. Not published; 1.7 s puts a 12B model's bfloat16 "
+        "all-reduce across 8 datacenters at the published 198 Gbps",
+    )
+    datacenters: int = Field(8, ge=2, description="sites the run spans, one WAN link each")
+    learners_per_datacenter: int = Field(1, ge=1)
+    dp_wire: WireDtype = Field(
+        "bfloat16", description="data-parallel gradient dtype in the all-reduce"
+    )
+    sync_every: int = Field(24, ge=1, description="H")
+    num_fragments: int = Field(24, ge=1, description="P; P = H: one fragment due per step")
+    overlap_steps: int = Field(
+        2, ge=0, description="tau: steps a fragment's exchange overlaps with (0: none)"
+    )
+    wire_up: WireDtype = Field("int4", description="outer gradients, learner to synchronizer")
+    wire_down: WireDtype | None = Field(
+        None,
+        description="published fragments; None: what the synchronizer publishes for wire_up "
+        "(wire.publish_dtype: bfloat16 unless the wire is float32)",
+    )
+    int4_block_size: int = Field(64, ge=2)
+    latency_ms: float = Field(
+        20.0, ge=0, description="one-way WAN latency between datacenters (US cross-country)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> BandwidthSimConfig:
+        if self.num_fragments > self.sync_every:
+            raise ValueError(
+                f"bandwidth_sim.num_fragments={self.num_fragments} > bandwidth_sim.sync_every="
+                f"{self.sync_every}: a fragment would be due more than once per window; use "
+                "num_fragments <= sync_every"
+            )
+        return self
 
 
 class RunConfig(_Frozen):
@@ -313,8 +451,11 @@ class RunConfig(_Frozen):
     # run takes the same wall time on any machine fast enough (the chaos tests rely on it).
     pace: Literal["compute", "step_time"] = "compute"
     sync_time_s: float = Field(0.01, ge=0, description="virtual merge+publish time in simulate")
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
+    # What gets trained (ray_diloco/task.py): a factory named by import path, called with
+    # `task_args` as keyword arguments. The default is the built-in byte-level language model
+    # on the Python standard library's source (no download).
+    task: str = "ray_diloco.tasks.byte_lm:make_task"
+    task_args: dict[str, Any] = Field(default_factory=dict)
     inner: InnerOptimizerConfig = InnerOptimizerConfig()
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
     diloco: DilocoConfig = DilocoConfig()
@@ -322,12 +463,15 @@ class RunConfig(_Frozen):
         default_factory=lambda: tuple(LearnerGroupConfig(name=f"learner-{i}") for i in range(4))
     )
     links: dict[str, LinkConfig] = Field(default_factory=dict)
+    cluster: ClusterConfig = ClusterConfig()
     synchronizer: SynchronizerConfig = SynchronizerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     chaos: ChaosConfig = ChaosConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    elastic: ElasticConfig = ElasticConfig()
     metrics: MetricsConfig = MetricsConfig()
     goodput_sim: GoodputSimConfig = GoodputSimConfig()
+    bandwidth_sim: BandwidthSimConfig = BandwidthSimConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -347,23 +491,45 @@ class RunConfig(_Frozen):
                 f"diloco.num_fragments={d.num_fragments} > diloco.sync_every={d.sync_every}: "
                 "a fragment would be due more than once per window; use num_fragments <= sync_every"
             )
-        if d.num_fragments > self.model.num_leaves:
-            raise ValueError(
-                f"diloco.num_fragments={d.num_fragments} exceeds the model's "
-                f"{self.model.num_leaves} parameter leaves (a leaf is never split); lower "
-                "diloco.num_fragments or raise model.num_layers"
-            )
         if d.overlap_steps >= d.sync_every:
             raise ValueError(
                 f"diloco.overlap_steps={d.overlap_steps} must be < diloco.sync_every="
                 f"{d.sync_every} so a fragment returns before it is due again"
             )
-        for region in self.links:
-            if region not in {lg.region for lg in self.learners}:
+        known = set(names)
+        for change in sorted(self.elastic.schedule, key=lambda c: c.at_s):
+            if change.join is not None:
+                if change.join.name in known:
+                    raise ValueError(
+                        f"elastic.schedule: learner {change.join.name!r} joins at "
+                        f"{change.at_s}s but that name is taken; give it a new name"
+                    )
+                known.add(change.join.name)
+            elif change.leave not in known:
                 raise ValueError(
-                    f"links.{region}: no learner is in region {region!r}; "
-                    f"known regions: {sorted({lg.region for lg in self.learners})}"
+                    f"elastic.schedule: {change.leave!r} leaves at {change.at_s}s but no learner "
+                    f"of that name is in the run by then; known: {sorted(known)}"
                 )
+        if len(known) > self.elastic.max_learners:
+            raise ValueError(
+                f"elastic.max_learners={self.elastic.max_learners} is below the "
+                f"{len(known)} learners the config names; raise it"
+            )
+        joiners = [c.join for c in self.elastic.schedule if c.join is not None]
+        everyone = (*self.learners, *joiners, *self.elastic.templates)
+        regions = sorted({lg.region for lg in everyone})
+        for section, table in (("links", self.links), ("cluster.links", self.cluster.links)):
+            for region in table:
+                if region not in regions:
+                    raise ValueError(
+                        f"{section}.{region}: no learner is in region {region!r}; "
+                        f"known regions: {regions}"
+                    )
+        for region in self.links.keys() & self.cluster.links.keys():
+            raise ValueError(
+                f"links.{region} emulates a WAN on top of the network and cluster.links."
+                f"{region} declares the real one; keep one of them"
+            )
         return self
 
     @property
@@ -371,8 +537,10 @@ class RunConfig(_Frozen):
         return len(self.learners)
 
     @property
-    def tokens_per_step(self) -> dict[str, int]:
-        return {lg.name: lg.batch_size * self.model.seq_len for lg in self.learners}
+    def data_parts(self) -> int:
+        """Parts the task's data is cut into: by default one per configured learner, which
+        then reads its own part (a run whose learners never change reads fixed shards)."""
+        return self.elastic.data_parts or self.num_learners
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
@@ -397,13 +565,14 @@ def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
         node[parts[-1]] = value
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted field (after `prefix`) and the fix."""
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = prefix + ".".join(str(p) for p in e["loc"]) if e["loc"] else "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; check the spelling against ray_diloco/config.py"
+            msg = "unknown key; check the spelling against the schema"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
@@ -412,7 +581,7 @@ def build_config(tree: dict[str, Any], source: str = "<dict>") -> RunConfig:
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_error(err, source)) from None
+        raise ConfigError(format_validation_error(err, source)) from None
 
 
 def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:
@@ -428,11 +597,16 @@ def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] 
             raise ConfigError(f"{p}: top level must be a mapping of sections")
         tree = loaded or {}
         source = str(p)
+    apply_overrides(tree, overrides)
+    return build_config(tree, source)
+
+
+def apply_overrides(tree: dict[str, Any], overrides: tuple[str, ...] | list[str]) -> None:
+    """Apply dotted `key.path=value` overrides to a config tree (in place)."""
     if overrides and "learners" not in tree and any(o.startswith("learners.") for o in overrides):
         tree["learners"] = [lg.model_dump() for lg in RunConfig().learners]
     for o in overrides:
         _set_dotted(tree, o)
-    return build_config(tree, source)
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:

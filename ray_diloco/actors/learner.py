@@ -26,7 +26,7 @@ import ray
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.host_faults import HostFaults
 from ray_diloco.actors.learner_channel import Fenced, SyncChannel
-from ray_diloco.config import RunConfig
+from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import LearnerState
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
@@ -45,6 +45,7 @@ class LearnerHost:
     def __init__(
         self,
         cfg: RunConfig,
+        lg: LearnerGroupConfig,
         learner_index: int,
         incarnation: int = 0,
         host_index: int = 0,
@@ -53,13 +54,14 @@ class LearnerHost:
     ) -> None:
         setup_logging(log_level)
         self.cfg, self.index, self.incarnation = cfg, learner_index, incarnation
-        self.lg = cfg.learners[learner_index]
+        self.lg = lg
         self.name, self.host_index, self.num_hosts = self.lg.name, host_index, num_hosts
         self._cond = threading.Condition()
         self._stop = threading.Event()
         # received (fragment, version, values, base), not yet at a step boundary
         self._incoming: list[tuple[int, int, Any, int | None]] = []
         self.stop_reason = ""
+        self._leaving = False
         self.transitions: list[dict[str, Any]] = []
         self.state = LearnerState.STARTING
         self._set_state(LearnerState.STARTING, "created")
@@ -67,10 +69,16 @@ class LearnerHost:
         self.error: str | None = None
         self.counts = collections.Counter[str]()
         self.loss: float | None = None
-        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0)
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0, cfg.name)
         self._thread: threading.Thread | None = None
         self.faults = HostFaults()  # chaos hooks: straggler, corrupted contributions
         self.channel: SyncChannel | None = None  # host 0's, once its loop runs
+
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        return (
+            f"LearnerHost({self.name} host {self.host_index}/{self.num_hosts} "
+            f"incarnation {self.incarnation}, {self.lg.region})"
+        )
 
     # -- methods (all return at once) --------------------------------------------------------
 
@@ -116,6 +124,12 @@ class LearnerHost:
             "stop_reason": self.stop_reason,
             "transitions": self.transitions[since_transition:],
         }
+
+    def leave(self, reason: str = "requested") -> None:
+        """Leave the run for good at the next step boundary: host 0 first sends a last
+        report and every fragment with unsent work (a graceful leave loses nothing)."""
+        self._leaving = True
+        self.stop(f"left: {reason}")
 
     def stop(self, reason: str = "stopped by the driver") -> None:
         """Finish at the next step boundary (in a multi-host learner, host 0 decides)."""
@@ -173,52 +187,61 @@ class LearnerHost:
             logger.exception("learner %s host %d failed", self.name, self.host_index)
             self._set_state(LearnerState.DEAD, f"{type(err).__name__}: {err}")
             return
-        self._set_state(LearnerState.FINISHED, self.stop_reason or "stopped")
+        done = LearnerState.LEFT if self._leaving else LearnerState.FINISHED
+        self._set_state(done, self.stop_reason or "stopped")
 
     def _run(self) -> None:
         from ray_diloco.actors import spmd
-        from ray_diloco.sim import simulate
-        from ray_diloco.tasks import transformer as model
+        from ray_diloco.algorithm import setup
 
         leader = self.host_index == 0
-        channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
+        task = setup.task_of(self.cfg)
+        channel = None
+        if leader:
+            per_step = setup.tokens_per_step(task, self.lg)
+            channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts, per_step)
         self.channel = channel
+        # The parameters' layout only (abstract shapes): their values come from the
+        # synchronizer (host 0) or by broadcast (the others), and computing them here would
+        # cost seconds of every restart.
+        tree = setup.layout_of(self.cfg, task)
         link: Any = spmd.LocalLink()
         layout, plan = None, None
         if self.num_hosts > 1:
-            # Layout only (abstract shapes, no parameters or data): host 0's values arrive by
-            # broadcast, and building them here cost seconds of every multi-host restart.
-            fragments = simulate.fragment_plan(self.cfg)
-            shapes = model.param_shapes(self.cfg.model)
-            link, layout = spmd.HostLink(fragments.fragments, shapes), spmd.SpmdLayout()
+            fragments = setup.fragment_plan(self.cfg, task)
+            link, layout = spmd.HostLink(fragments.fragments, tree.shapes), spmd.SpmdLayout()
             plan = None if leader else fragments
         try:
-            self._train(link, layout, channel, plan)
+            self._train(task, tree, link, layout, channel, plan)
         finally:
             if channel is not None:
                 channel.close()
             link.close()
 
-    def _train(self, link: Any, layout: Any, channel: SyncChannel | None, plan: Any) -> None:
+    def _train(
+        self, task: Any, tree: Any, link: Any, layout: Any, channel: SyncChannel | None, plan: Any
+    ) -> None:
         from ray_diloco.algorithm.learner_core import LearnerCore
+        from ray_diloco.algorithm.leases import Lease
         from ray_diloco.sim import simulate
-        from ray_diloco.tasks import byte_corpus as data
 
         cfg, lg = self.cfg, self.lg
-        reply: dict[str, Any] = {"snapshot": None, "cursor": 0, "plan": plan}
+        reply: dict[str, Any] = {"snapshot": None, "plan": plan, "data": (0, 0, [])}
         if channel is not None:
             reply = channel.register(self.stop)
-        snapshot, cursor = link.share_start(reply["snapshot"], reply["cursor"])
+        snapshot, (cursor, offset, leases) = link.share_start(reply["snapshot"], reply["data"])
         core = LearnerCore(
             cfg,
             lg,
+            task,
+            tree,
             reply["plan"],
             snapshot,
-            data.load_corpus(cfg.data, cfg.seed).train,
             incarnation=self.incarnation,
+            leases=[Lease(*lease) for lease in leases],
+            offset=offset,
             cursor=cursor,
-            shard_index=self.index,
-            num_shards=cfg.num_learners,
+            num_parts=cfg.data_parts,
             layout=layout,
         )
         self.core = core
@@ -247,12 +270,18 @@ class LearnerHost:
                 channel.offer(offers)
                 self.metrics.tokens(self.name, core.tokens_per_step)
                 self.metrics.step_time(self.name, step_time)
+                self.metrics.training_loss(self.name, self.loss)
             if not self._step_boundary(core, link, channel):
+                if self._leaving and channel is not None:
+                    channel.farewell(core, self.loss)
                 return
 
     def _step_boundary(self, core: LearnerCore, link: Any, channel: SyncChannel | None) -> bool:
-        """Apply what arrived; in synchronous mode wait while `blocked_on`. All hosts of a
-        learner go through here in lock-step. Returns False when the learner must stop."""
+        """Apply what arrived; wait while `blocked_on` (synchronous mode) or while no data is
+        leased for the next step. All hosts of a learner go through here in lock-step. Returns
+        False when the learner must stop."""
+        from ray_diloco.algorithm.leases import Lease
+
         blocked_since: float | None = None
         while True:
             with self._cond:
@@ -261,21 +290,25 @@ class LearnerHost:
             # Host 0 (the only one receiving) resolves differences into full values, which
             # every host of the learner then holds.
             items = [full for r in received for full in core.resolve(*r)]
-            items, stop = link.share_step(items, stop)
+            leases = channel.take_leases() if channel is not None else []
+            items, stop, leases = link.share_step(items, stop, leases)
+            core.reader.add([Lease(*lease) for lease in leases])
             for item in items:
                 core.hold(*item)
             core.apply_received()
             if stop:
                 return False
-            waiting = core.blocked_on()
+            waiting: list[Any] = list(core.blocked_on())
+            if core.reader.ahead() < core.tokens_per_step:
+                waiting.append("data")  # the synchronizer has not topped up the leases
             if not waiting:
                 if blocked_since is not None:
                     self._set_state(LearnerState.TRAINING, "fragments arrived")
                 return True
             if blocked_since is None:
                 blocked_since = time.monotonic()
-                self._set_state(LearnerState.BLOCKED, f"waiting for fragments {waiting}")
-                logger.debug("learner %s waits for fragments %s", self.name, waiting)
+                self._set_state(LearnerState.BLOCKED, f"waiting for {waiting}")
+                logger.debug("learner %s waits for %s", self.name, waiting)
             if channel is not None:
                 self._wait_for_fragments(core, channel, waiting, blocked_since)
 

@@ -45,6 +45,7 @@ class SyncChannel:
         lg: LearnerGroupConfig,
         incarnation: int,
         counts: collections.Counter[str],
+        tokens_per_step: int,
     ) -> None:
         from ray_diloco.algorithm import links
 
@@ -54,6 +55,7 @@ class SyncChannel:
         self.name, self.region, self.incarnation = lg.name, lg.region, incarnation
         self.num_hosts = lg.num_hosts
         self.counts = counts
+        self.tokens_per_step = tokens_per_step  # the synchronizer bounds its claims with it
         # This learner's upstream pipe. (In the reference run the learners of a region share
         # one; here each learner has its own, as separate processes.)
         self.wan = links.LinkEmulator(cfg.links)
@@ -62,11 +64,14 @@ class SyncChannel:
         self._next_beat = 0.0
         self._reports: collections.deque[Any] = collections.deque()
         self._offers: collections.deque[Any] = collections.deque()
+        self._leases: list[tuple[int, int, int]] = []  # given in report replies, not yet read
 
-    def register(self, stop: Stop) -> dict[str, Any]:
+    def register(self, stop: Stop, held: Any = None) -> dict[str, Any]:
         logger.info("learner %s: registering with the synchronizer", self.name)
         try:
-            ref: Any = self.sync.register.remote(self.name, self.incarnation, [self.me])
+            ref: Any = self.sync.register.remote(
+                self.name, self.incarnation, [self.me], self.region, held, self.tokens_per_step
+            )
             reply = cast(dict[str, Any], ray.get(ref, timeout=REGISTER_TIMEOUT_S))
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, ValueError):  # an older incarnation: fenced
@@ -120,6 +125,13 @@ class SyncChannel:
                 stop("token budget reached")
             elif not reply["ok"]:
                 self._rejoin(core, stop)
+            else:
+                self._leases.extend(reply["leases"])
+
+    def take_leases(self) -> list[tuple[int, int, int]]:
+        """Leases the synchronizer added since the last call, for the next step boundary."""
+        leases, self._leases = self._leases, []
+        return leases
 
     def _rejoin(self, core: LearnerCore, stop: Stop) -> None:
         """The synchronizer does not know this incarnation (it restarted from a checkpoint):
@@ -129,7 +141,10 @@ class SyncChannel:
             raise Fenced("the synchronizer no longer knows this multi-host learner")
         logger.warning("learner %s: report refused; registering again", self.name)
         self._reports.clear()
-        core.adopt(self.register(stop)["snapshot"])
+        # It kept training: its leases and cursor are newer than the restored books.
+        reader = core.reader
+        held = ([lease.as_tuple() for lease in reader.queue], reader.offset, core.cursor)
+        core.adopt(self.register(stop, held)["snapshot"])
         self.counts["rejoins"] += 1
 
     def offer(self, offers: list[tuple[Any, dict[str, Any]]]) -> None:
@@ -154,6 +169,20 @@ class SyncChannel:
             except ray.exceptions.RayError as err:
                 verdict = f"error_{classify_ray_error(err)}"
             self.counts[f"offer_{verdict}"] += 1
+
+    def farewell(self, core: LearnerCore, loss: float | None, timeout_s: float = 60.0) -> None:
+        """Leaving the run for good: a last progress report (the ledger's cursor) and the last
+        contributions, delivered before this returns, so no finished work is lost."""
+        report: Any = self.sync.report.remote(
+            self.name, self.incarnation, core.step, None, core.cursor, loss
+        )
+        self.offer(core.final_offers())
+        self.sender.close(drain_s=timeout_s)  # the emulated uplink delivers what it holds
+        try:
+            ray.get([report, *self._offers], timeout=timeout_s)
+        except ray.exceptions.RayError as err:
+            logger.warning("learner %s: farewell not fully delivered: %s", self.name, err)
+        self._offers.clear()
 
     def close(self) -> None:
         self.sender.close()

@@ -19,7 +19,7 @@ import ray
 from ray_diloco.actors import resources
 from ray_diloco.actors.errors import classify_ray_error
 from ray_diloco.actors.learner import LearnerHost
-from ray_diloco.config import ConfigError, RunConfig
+from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class LearnerGroup:
     def __init__(
         self,
         cfg: RunConfig,
+        lg: LearnerGroupConfig,
         index: int,
         *,
         incarnation: int = 0,
@@ -38,7 +39,7 @@ class LearnerGroup:
         pin_region: bool = True,
     ) -> None:
         self.cfg, self.index, self.incarnation = cfg, index, incarnation
-        self.lg = cfg.learners[index]
+        self.lg = lg
         self.pin_region = pin_region
         self.name = self.lg.name
         self.log_level = log_level
@@ -64,14 +65,14 @@ class LearnerGroup:
         if n != self.lg.num_hosts:
             raise ConfigError(
                 f"learner {self.name!r}: topology {self.lg.topology} has {n} hosts but "
-                f"learners[{self.index}].num_hosts={self.lg.num_hosts}; set num_hosts={n}"
+                f"its num_hosts={self.lg.num_hosts}; set num_hosts={n}"
             )
         self.hosts = [
             LearnerHost.options(  # type: ignore[attr-defined]
                 **resources.host_options(self.placement, i),
                 name=f"{self.name_prefix}-{self.name}-{self.incarnation}-host{i}",
                 namespace=self.cfg.synchronizer.namespace,
-            ).remote(self.cfg, self.index, self.incarnation, i, n, self.log_level)
+            ).remote(self.cfg, self.lg, self.index, self.incarnation, i, n, self.log_level)
             for i in range(n)
         ]
 

@@ -23,7 +23,7 @@ from ray_diloco.actors.errors import PLACEMENT, TRANSIENT_KINDS, classify_ray_er
 from ray_diloco.actors.faults import HostRef
 from ray_diloco.actors.learner_group import LearnerGroup
 from ray_diloco.actors.resources import LearnerPlacement, release
-from ray_diloco.config import RunConfig
+from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import FailureKind
 
 logger = logging.getLogger(__name__)
@@ -46,14 +46,15 @@ class LearnerSlot:
     def __init__(
         self,
         cfg: RunConfig,
+        lg: LearnerGroupConfig,
         index: int,
         *,
         log_level: str,
         pin_region: bool,
         placement_timeout_s: float,
     ) -> None:
-        self.cfg, self.index = cfg, index
-        self.name = cfg.learners[index].name
+        self.cfg, self.lg, self.index = cfg, lg, index
+        self.name = lg.name
         self.log_level, self.pin_region = log_level, pin_region
         self.placement_timeout_s = placement_timeout_s
         self._lock = threading.Lock()
@@ -80,6 +81,7 @@ class LearnerSlot:
     def _launch(self, incarnation: int, reuse: LearnerPlacement | None) -> None:
         group = LearnerGroup(
             self.cfg,
+            self.lg,
             self.index,
             incarnation=incarnation,
             log_level=self.log_level,
@@ -190,6 +192,22 @@ class LearnerSlot:
             with self._lock:
                 self._reuse = group.placement
 
+    def give_placement(self, placement: LearnerPlacement) -> None:
+        """Launch the next incarnation on `placement` (reserved by the scavenger)."""
+        with self._lock:
+            self._reuse = placement
+
+    def leave(self, reason: str) -> bool:
+        """Ask the learner to leave gracefully (host 0 sends its last report and unsent
+        work first, then every host stops); False when no incarnation is running."""
+        with self._lock:
+            group = self.group
+        if group is None or not group.hosts or not self.started:
+            return False
+        for host in group.hosts:
+            host.leave.remote(reason)
+        return True
+
     def stop(self, timeout_s: float) -> dict[str, Any] | None:
         """Ask the hosts to finish their step and stop; returns host 0's final status."""
         with self._lock:
@@ -213,19 +231,19 @@ class _Superseded(Exception):
     pass
 
 
-def make_slots(cfg: RunConfig, log_level: str, pin_region: bool) -> dict[str, LearnerSlot]:
-    """One slot per configured learner, by name; a launch may wait for its placement group
-    as long as a new incarnation may take to come up."""
-    return {
-        lg.name: LearnerSlot(
-            cfg,
-            i,
-            log_level=log_level,
-            pin_region=pin_region,
-            placement_timeout_s=cfg.supervisor.startup_timeout_s,
-        )
-        for i, lg in enumerate(cfg.learners)
-    }
+def make_slot(
+    cfg: RunConfig, lg: LearnerGroupConfig, index: int, log_level: str, pin_region: bool
+) -> LearnerSlot:
+    """The slot of learner `lg` (the index seeds its emulated step-time jitter); a launch may
+    wait for its placement group as long as a new incarnation may take to come up."""
+    return LearnerSlot(
+        cfg,
+        lg,
+        index,
+        log_level=log_level,
+        pin_region=pin_region,
+        placement_timeout_s=cfg.supervisor.startup_timeout_s,
+    )
 
 
 def stop_all(slots: Iterable[LearnerSlot], timeout_s: float) -> dict[str, dict[str, Any]]:

@@ -4,10 +4,11 @@ Every host of the learner runs the same `LearnerCore` as one `jax.distributed` j
 collectives): parameters replicated over all hosts, each batch sharded over them, so one inner
 step is ordinary SPMD data parallelism and the gradient all-reduce happens inside the jitted
 step. Only host 0 (the leader) talks to the synchronizer. At every step boundary it broadcasts
-what the other hosts must do (`HostLink.share_step`: the fragments it received and whether to
-stop) with `multihost_utils.broadcast_one_to_all`, and at start the snapshot and data cursor it
-registered with, so all hosts apply the same fragments at the same step and stay identical.
-A learner with one host uses `LocalLink`, which passes everything through.
+what the other hosts must do (`HostLink.share_step`: the fragments it received, whether to stop
+and the data leases it was given: every host reads the same global batch and keeps its rows)
+with `multihost_utils.broadcast_one_to_all`, and at start the snapshot and data it registered
+with, so all hosts apply the same fragments at the same step and stay identical. A learner with
+one host uses `LocalLink`, which passes everything through.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ray_diloco.algorithm.learner_core import DeviceLayout
 logger = logging.getLogger(__name__)
 
 Received = tuple[int, int, Any]  # fragment, version, values (leaf path -> array)
+Leases = list[tuple[int, int, int]]  # (part, start, end) of the data pool's leases
 
 
 def free_address() -> str:
@@ -68,17 +70,19 @@ class SpmdLayout(DeviceLayout):
 
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(host))
 
-    def batch(self, x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+    def batch(self, batch: Any) -> Any:
         # Every host reads the same global batch (a pure function of the cursor) and keeps
-        # its rows: the learner's global batch is exactly that of a single-host learner.
+        # its rows of every leaf: the learner's global batch is exactly that of a single-host
+        # learner.
         import jax
 
-        rows = x.shape[0] // self.count
-        part = slice(self.index * rows, (self.index + 1) * rows)
-        return (
-            jax.make_array_from_process_local_data(self.sharded, x[part], x.shape),
-            jax.make_array_from_process_local_data(self.sharded, y[part], y.shape),
-        )
+        def local(leaf: Any) -> Any:
+            leaf = np.asarray(leaf)
+            rows = leaf.shape[0] // self.count
+            part = leaf[self.index * rows : (self.index + 1) * rows]
+            return jax.make_array_from_process_local_data(self.sharded, part, leaf.shape)
+
+        return jax.tree.map(local, batch)
 
 
 class LocalLink:
@@ -86,11 +90,13 @@ class LocalLink:
 
     leader = True
 
-    def share_start(self, snapshot: Any, cursor: int) -> tuple[Any, int]:
-        return snapshot, cursor
+    def share_start(self, snapshot: Any, data: tuple[int, int, Leases]) -> tuple[Any, Any]:
+        return snapshot, data
 
-    def share_step(self, items: list[Received], stop: bool) -> tuple[list[Received], bool]:
-        return items, stop
+    def share_step(
+        self, items: list[Received], stop: bool, leases: Leases
+    ) -> tuple[list[Received], bool, Leases]:
+        return items, stop, leases
 
     def close(self) -> None:
         pass
@@ -120,20 +126,32 @@ class HostLink:
         }
         return {k: np.asarray(v) for k, v in self._broadcast(tree).items()}
 
-    def share_start(self, snapshot: Any, cursor: int) -> tuple[Any, int]:
+    def _leases(self, leases: Leases) -> Leases:
+        count = np.asarray(self._broadcast(np.array([len(leases)], np.int64)))[0]
+        table = np.zeros((int(count), 3), np.int64)
+        if self.leader and count:
+            table[:] = leases
+        return [tuple(int(x) for x in row) for row in np.asarray(self._broadcast(table))]  # type: ignore[misc]
+
+    def share_start(
+        self, snapshot: Any, data: tuple[int, int, Leases]
+    ) -> tuple[Any, tuple[int, int, Leases]]:
+        """Host 0's snapshot and data (cursor, offset into the first lease, leases)."""
         num = len(self.fragments)
-        header = np.zeros(num + 1, np.int64)
+        header = np.zeros(num + 2, np.int64)
         if self.leader:
-            header[0] = cursor
-            header[1:] = [snapshot[p][0] for p in range(num)]
+            header[0], header[1] = data[0], data[1]
+            header[2:] = [snapshot[p][0] for p in range(num)]
         header = np.asarray(self._broadcast(header))
         out = {
-            p: (int(header[p + 1]), self._values(p, snapshot[p][1] if self.leader else None))
+            p: (int(header[p + 2]), self._values(p, snapshot[p][1] if self.leader else None))
             for p in range(num)
         }
-        return out, int(header[0])
+        return out, (int(header[0]), int(header[1]), self._leases(data[2]))
 
-    def share_step(self, items: list[Received], stop: bool) -> tuple[list[Received], bool]:
+    def share_step(
+        self, items: list[Received], stop: bool, leases: Leases
+    ) -> tuple[list[Received], bool, Leases]:
         num = len(self.fragments)
         newest: dict[int, Received] = {}
         for item in items:  # the core keeps only the newest version of a fragment anyway
@@ -150,7 +168,7 @@ class HostLink:
             p, v = int(header[2 + 2 * i]), int(header[3 + 2 * i])
             values = newest[p][2] if self.leader else None
             shared.append((p, v, self._values(p, values)))
-        return shared, bool(header[0])
+        return shared, bool(header[0]), self._leases(leases)
 
     def close(self) -> None:
         shutdown()

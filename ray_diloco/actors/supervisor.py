@@ -17,6 +17,15 @@ training honest contributions can trip the guard). Stragglers and starved learne
 by `control.degradation`, never restarted. Methods return at once; the driver polls `status()`,
 calls `finish(reason)` at the end and waits for `status()["done"]`, then `shutdown()`.
 
+Membership is elastic: `add_learner` / `remove_learner` (the `ray-diloco scale` command, the
+Python API, `elastic.schedule`), the scavenger (a free node fitting `elastic.templates`) and the
+drain watch (a node Ray drains for a preemption) queue joins and leaves that the control loop
+carries out. A leave is graceful (the learner's last report and unsent work first, then the
+synchronizer takes it out of the quorum and its unread data back into the pool) and is never a
+failure: a learner that left is not restarted, not counted in goodput from then on, not a fault.
+A learner given up on after its restart budget is retired the same way while at least
+`elastic.min_learners` others remain.
+
 The supervisor owns the run's event tape (`run_dir/events.jsonl`, one writer): its own events,
 the synchronizer's journal and the chaos engine's injections go there, with run-clock times
 (seconds since the driver's `t0`).
@@ -25,6 +34,7 @@ the synchronizer's journal and the chaos engine's injections go there, with run-
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from pathlib import Path
@@ -33,31 +43,37 @@ from typing import Any
 import ray
 
 from ray_diloco.actors.faults import ChaosEngine, HostRef
-from ray_diloco.actors.learner_slot import make_slots, stop_all
+from ray_diloco.actors.learner_slot import make_slot, stop_all
+from ray_diloco.actors.membership import Scavenger, draining_nodes
 from ray_diloco.actors.resources import head_pin_options
 from ray_diloco.actors.sync_watch import SyncWatch, uptime_window_s
-from ray_diloco.config import RunConfig
+from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.chaos import chaos_schedule
 from ray_diloco.control.degradation import DegradationMonitor
 from ray_diloco.control.events import (
     ContributionRejected,
     Event,
     FailureKind,
+    LearnerJoined,
+    LearnerLeft,
     LearnerState,
     RunFinished,
     RunStarted,
     WorkLost,
 )
+from ray_diloco.control.goodput import compute_goodput
 from ray_diloco.control.recovery import DEGRADE_REASONS, RESTART_REASONS, tape_summary
 from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
 from ray_diloco.control.tape import EventTape
 from ray_diloco.log import setup_logging
+from ray_diloco.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 HORIZON_S = 6 * 3600.0  # Poisson chaos faults are drawn this far ahead (runs are shorter)
 STOP_TIMEOUT_S = 60.0
 SYNC_START_S = 600.0  # a synchronizer's first answer: it builds data and parameters first
+DRAIN_POLL_S = 1.0  # how often the drain watch asks Ray which nodes it is draining
 
 
 def supervisor_name(cfg: RunConfig) -> str:
@@ -84,7 +100,18 @@ class Supervisor:
         self.tape.append(RunStarted(self._now(), config_digest))
         hosts = {lg.name: lg.num_hosts for lg in cfg.learners}
         self.control = Supervision(s, names, self._now(), hosts)
-        self.slots = make_slots(cfg, log_level, pin_region)
+        self.log_level, self.pin_region = log_level, pin_region
+        self.slots = {
+            lg.name: make_slot(cfg, lg, i, log_level, pin_region)
+            for i, lg in enumerate(cfg.learners)
+        }
+        # Membership changes wait here for the control loop (callers never block on it).
+        self._requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._joining: set[str] = set()  # queued joins, until carried out
+        self._leaving: dict[str, str] = {}  # learner -> why, until it has left
+        self._sync_leaves: dict[str, tuple[Any, str]] = {}  # synchronizer acks awaited
+        self._retired: set[str] = set()
+        self._drains_polled = 0.0
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
         self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
         self.sync_handle = synchronizer
@@ -97,9 +124,20 @@ class Supervisor:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._final: dict[str, Any] = {}
+        self._schedule: list[Any] = []
         self._thread: threading.Thread | None = None
         self._end_t: float | None = None  # when the run finished (RunFinished)
         self._training_since: dict[str, float] = {}  # learner -> its current training spell
+        for change in cfg.elastic.schedule:  # the reference run's schedule, on the run clock
+            self._schedule.append(change)
+        elastic = cfg.elastic
+        scavenging = elastic.scavenge and elastic.templates
+        self.scavenger = Scavenger(cfg, self._scavenged, self._taken) if scavenging else None
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
+        self._exported_at = -float("inf")
+
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        return f"Supervisor(run={self.cfg.name})"
 
     # -- methods (all return at once) ---------------------------------------------------------
 
@@ -126,6 +164,29 @@ class Supervisor:
             "final": self._final,
         }
 
+    def add_learner(self, spec: dict[str, Any], reason: str = "requested") -> str:
+        """Queue a new learner (a `learners:` entry as a dict) to join the running job; it
+        starts from the newest global fragments and reads data from the pool. Returns its
+        name; a bad spec or a taken name raises ValueError naming the problem."""
+        lg = LearnerGroupConfig.model_validate(spec)
+        if self._taken(lg.name):
+            raise ValueError(f"learner name {lg.name!r} is taken in this run; pick another")
+        if self._headcount() >= self.cfg.elastic.max_learners:
+            raise ValueError(
+                f"the run already has elastic.max_learners={self.cfg.elastic.max_learners} learners"
+            )
+        self._joining.add(lg.name)
+        self._requests.put(("join", lg, None, reason))
+        return lg.name
+
+    def remove_learner(self, name: str, reason: str = "requested") -> None:
+        """Queue a graceful leave of learner `name` (its unsent work is offered first)."""
+        if name not in self.slots or name not in self.control.in_run():
+            raise ValueError(
+                f"no learner {name!r} in the run; learners: {sorted(self.control.in_run())}"
+            )
+        self._requests.put(("leave", name, reason))
+
     def finish(self, reason: str) -> None:
         """End the run: no more chaos or restarts; the learners are stopped, their final
         status collected and RunFinished recorded (`status()["done"]` turns True)."""
@@ -137,6 +198,8 @@ class Supervisor:
     def shutdown(self) -> None:
         """Kill every learner, free their placement groups, close the tape."""
         self._stop.set()
+        if self.scavenger is not None:
+            self.scavenger.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.chaos is not None:
@@ -171,10 +234,11 @@ class Supervisor:
 
     def _record(self, event: Event) -> None:
         self.tape.append(event)
+        self.metrics.observe_event(event)
 
     def _record_all(self, events: list[Event]) -> None:
         for e in events:
-            self.tape.append(e)
+            self._record(e)
 
     def _loop(self) -> None:
         interval = self.cfg.supervisor.poll_interval_s
@@ -193,6 +257,7 @@ class Supervisor:
         events, st = self.sync.poll()
         self._record_all(events)
         now = self._now()
+        self._change_membership(now)
         for e in events:
             if not isinstance(e, ContributionRejected):
                 continue
@@ -216,14 +281,139 @@ class Supervisor:
         events, commands = self.control.tick(now)
         self._record_all(events)
         self._execute(commands, now)
+        self._retire_given_up(now)
         if self.chaos is not None and not self._run_over:
-            training = all(w.state is LearnerState.TRAINING for w in self.control.watches.values())
+            watches = self.control.watches
+            training = all(watches[n].state is LearnerState.TRAINING for n in self.control.in_run())
             self.chaos.tick(now, training)
         self._update_snapshot()
+        if now - self._exported_at >= self.cfg.metrics.log_every_s:
+            self._export_metrics(now)
+
+    def _export_metrics(self, now: float) -> None:
+        """Goodput and uptime so far, and which learners are up, as Prometheus gauges."""
+        self._exported_at = now
+        window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
+        report = compute_goodput(self.tape.events, now, window)
+        self.metrics.goodput(report.goodput, report.uptime)
+        for name, watch in self.control.watches.items():
+            self.metrics.learner_up(name, watch.state in _UP)
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def _taken(self, name: str) -> bool:
+        return name in self.slots or name in self._joining
+
+    def _headcount(self) -> int:
+        return len(self.control.in_run()) + len(self._joining)
+
+    def _scavenged(self, lg: LearnerGroupConfig, placement: Any) -> bool:
+        """The scavenger found room for `lg` (its placement is reserved): join, if allowed."""
+        if self._finish is not None or self._run_over or self._taken(lg.name):
+            return False
+        if self._headcount() >= self.cfg.elastic.max_learners:
+            return False
+        self._joining.add(lg.name)
+        self._requests.put(("join", lg, placement, "scavenged"))
+        return True
+
+    def _change_membership(self, now: float) -> None:
+        while self._schedule and self._schedule[0].at_s <= now:
+            change = self._schedule.pop(0)
+            if change.join is not None:
+                self._joining.add(change.join.name)
+                self._requests.put(("join", change.join, None, "scheduled"))
+            else:
+                self._requests.put(("leave", change.leave, "scheduled"))
+        while True:
+            try:
+                request = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if self._finish is not None or self._run_over:
+                continue  # the run is ending: nobody joins or leaves any more
+            if request[0] == "join":
+                self._join(request[1], request[2], request[3], now)
+            else:
+                self._start_leave(request[1], request[2], now)
+        if now - self._drains_polled >= DRAIN_POLL_S:
+            self._drains_polled = now
+            self._leave_draining_nodes(now)
+        self._collect_sync_leaves(now)
+
+    def _join(self, lg: LearnerGroupConfig, placement: Any, reason: str, now: float) -> None:
+        self._joining.discard(lg.name)
+        slot = make_slot(self.cfg, lg, len(self.slots), self.log_level, self.pin_region)
+        if placement is not None:
+            slot.give_placement(placement)
+        self.slots[lg.name] = slot
+        self.regions[lg.name] = lg.region
+        self.degradation.add(lg.name)
+        self._record(LearnerJoined(now, lg.name, lg.region, lg.accelerator, reason))
+        self._record_all(self.control.add(lg.name, now, lg.num_hosts))
+        logger.warning("learner %s joins the run (%s)", lg.name, reason)
+        slot.launch(0)
+
+    def _start_leave(self, name: str, reason: str, now: float) -> None:
+        if name in self._leaving or name not in self.control.in_run():
+            return
+        self._leaving[name] = reason
+        logger.warning("learner %s leaves the run (%s)", name, reason)
+        state = self.control.watches[name].state
+        if state not in _UP or not self.slots[name].leave(reason):
+            self._finish_leave(name, now)  # nothing running to say goodbye
+
+    def _finish_leave(self, name: str, now: float) -> None:
+        """The learner said goodbye (or cannot): stop watching it, free its hosts, and have
+        the synchronizer take it out of the quorum and its unread data back."""
+        reason = self._leaving.pop(name, "left")
+        self._record_all(self.control.leave(name, now, reason))
+        self._training_since.pop(name, None)
+        self.slots[name].release()
+        self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
+
+    def _collect_sync_leaves(self, now: float) -> None:
+        """Acknowledged leaves go on the tape with the data they gave back; failed calls (a
+        synchronizer being restored) are sent again."""
+        for name, (ref, reason) in list(self._sync_leaves.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                tokens = int(ray.get(ref))
+            except ray.exceptions.RayError as err:
+                logger.info("leave of %s not acknowledged (%s); resending", name, err)
+                self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
+                continue
+            del self._sync_leaves[name]
+            self._record(LearnerLeft(now, name, reason, tokens))
+
+    def _leave_draining_nodes(self, now: float) -> None:
+        draining = draining_nodes()
+        if not draining:
+            return
+        for name in self.control.in_run():
+            nodes = {str(info.get("node_id")) for info in self.slots[name].info.values()}
+            if nodes & draining:
+                self._start_leave(name, "its node is being drained (preemption)", now)
+
+    def _retire_given_up(self, now: float) -> None:
+        """A learner out of restarts leaves the run (its data back to the pool, out of the
+        quorum) while at least `elastic.min_learners` others remain."""
+        for name, w in self.control.watches.items():
+            if w.state is not LearnerState.GAVE_UP or name in self._retired:
+                continue
+            if len(self.control.in_run()) < self.cfg.elastic.min_learners:
+                return
+            self._retired.add(name)
+            self.slots[name].release()
+            self._sync_leaves[name] = (self.sync_handle.leave.remote(name), "retired: gave up")
 
     def _on_reply(self, name: str, host: int, reply: dict[str, Any], now: float) -> None:
         inc, state = int(reply["incarnation"]), str(reply["state"])
-        if state == "dead":
+        if name in self._leaving and state in ("left", "finished", "dead"):
+            self._finish_leave(name, now)  # it said goodbye (or died saying it)
+        elif state == "dead":
             error = (reply.get("error") or "").strip().splitlines()
             self._failed(name, inc, FailureKind.CRASH, now, error[-1] if error else "dead")
         elif state == "finished":
@@ -265,6 +455,9 @@ class Supervisor:
     ) -> None:
         if self._run_over or self._finish is not None:
             return  # the run is over: a learner stopping now is no failure
+        if name in self._leaving:
+            self._finish_leave(name, now)  # it was leaving anyway: no restart
+            return
         lost = self._work_lost(name, now)
         events, commands = self.control.failed(name, incarnation, kind, now, detail)
         if events:
@@ -302,7 +495,8 @@ class Supervisor:
         sync = self.sync.status or {}
         snap = {
             "learners": learners,
-            "all_gave_up": all(r["state"] == "gave_up" for r in learners.values()),
+            # nobody left to train (every learner gave up or left) and nobody about to join
+            "all_gave_up": not self.control.in_run() and not self._joining,
             "synchronizer": {
                 "up": self.sync.up,
                 "restores": self.sync.restores,
@@ -322,6 +516,8 @@ class Supervisor:
         logger.info("supervisor winding down: %s", reason)
         if self.chaos is not None:
             self.chaos.close()
+        if self.scavenger is not None:
+            self.scavenger.close()
         finals = stop_all(self.slots.values(), STOP_TIMEOUT_S)
         now = self._now()
         for name in self.slots:

@@ -25,21 +25,23 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
-from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
+from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.config import RunConfig
-from ray_diloco.control.events import ContributionRejected, RoundClosed
+from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
@@ -57,7 +59,9 @@ IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rou
 def config_digest(cfg: RunConfig) -> str:
     """Digest of the whole validated config: tells a driver whether an existing synchronizer
     serves its run; the event tape's RunStarted carries it too."""
-    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+    # Sorted keys: the same config written with its task_args in another order is the same run.
+    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
@@ -68,7 +72,7 @@ class Synchronizer:
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
         from ray_diloco.algorithm import checkpoint, links, sync_core
-        from ray_diloco.sim import simulate
+        from ray_diloco.algorithm.setup import Setup
 
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
@@ -77,10 +81,10 @@ class Synchronizer:
         self._lock = threading.Lock()
         self._ckpt_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self.setup = simulate.Setup.build(cfg)
+        self.setup = Setup.build(cfg)
         self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
         self.journal = Journal()
-        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self.hosts: dict[str, list[Any]] = {}
         self.regions = {lg.name: lg.region for lg in cfg.learners}
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
@@ -101,25 +105,59 @@ class Synchronizer:
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
 
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        return f"Synchronizer(run={self.cfg.name})"
+
     # -- control group: membership and progress -----------------------------------------------
 
     @ray.method(concurrency_group="control")
-    def register(self, learner: str, incarnation: int, host_handles: list[Any]) -> dict[str, Any]:
+    def register(
+        self,
+        learner: str,
+        incarnation: int,
+        host_handles: list[Any],
+        region: str = LOCAL_REGION,
+        held: tuple[list[tuple[int, int, int]], int, int] | None = None,
+        tokens_per_step: int | None = None,
+    ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
-        latest published version of every fragment, its data cursor from the ledger, and the
-        fragment plan (one source for every learner)."""
+        latest published version of every fragment, its data (cursor, offset into the first
+        lease, leases) and the fragment plan (one source for every learner). `held`: what a
+        learner that kept training through this synchronizer's restore already holds.
+        `tokens_per_step`: the learner's batch in tokens (SynchronizerCore.register)."""
+        from ray_diloco.algorithm.leases import Lease
+
         with self._lock:
-            versions = self.core.register(learner, incarnation, self._now())
-            self.registered[learner] = {"incarnation": incarnation, "versions": versions}
+            kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
+            a = self.core.register(learner, incarnation, self._now(), kept, tokens_per_step)
+            self._mark_leases()
+            self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
             self.hosts[learner] = list(host_handles)
+            self.regions[learner] = region
             snapshot = self.core.snapshot()
-            cursor = self.core.ledger.resume_cursor(learner)
             plan = self.setup.plan
         logger.info(
-            "registered learner %s incarnation %d at cursor %d", learner, incarnation, cursor
+            "registered learner %s incarnation %d at cursor %d", learner, incarnation, a.cursor
         )
         finished = self.finished_at is not None
-        return {"snapshot": snapshot, "cursor": cursor, "plan": plan, "finished": finished}
+        data = (a.cursor, a.offset, [lease.as_tuple() for lease in a.leases])
+        return {"snapshot": snapshot, "data": data, "plan": plan, "finished": finished}
+
+    @ray.method(concurrency_group="control")
+    def leave(self, learner: str) -> int:
+        """`learner` left the run for good (a graceful leave, a drained node, retired): out of
+        the quorum, its unread data back to the pool. Returns the tokens given back."""
+        with self._lock:
+            back = self.core.leave(learner, self._now())
+            self.hosts.pop(learner, None)
+        self._wake.set()  # rounds that only waited for it may close now
+        logger.info("learner %s left; %d unread tokens back to the pool", learner, len(back))
+        return sum(lease.size for lease in back)
+
+    def _mark_leases(self) -> None:
+        """Persist the pool's frontiers before leases leave this process (under the lock)."""
+        if self.versions_mark is not None:
+            self.versions_mark.update(frontier=self.core.ledger.pool.frontier)
 
     @ray.method(concurrency_group="control")
     def report(
@@ -130,19 +168,24 @@ class Synchronizer:
         step_time_s: float | None,
         cursor: int,
         loss: float | None,
-    ) -> dict[str, bool]:
+    ) -> dict[str, Any]:
         """A progress report (the heartbeat). `ok` False: this incarnation is fenced (or the
-        synchronizer restarted and wants it to register again). `stop`: the budget is spent."""
+        synchronizer restarted and wants it to register again). `stop`: the budget is spent.
+        `leases`: data added to keep the learner supplied."""
         with self._lock:
-            ok = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            leases = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            ok = leases is not None
             if ok:
                 self.journal.progress(learner, step, cursor, loss, step_time_s)
+            if leases:
+                self._mark_leases()
             tokens = self.core.ledger.tokens_trained
             if self.finished_at is None and tokens >= self.cfg.token_budget:
                 # The run ends here, as the reference run's loop does: no round closes after.
                 self.finished_at = time.time()
                 logger.info("token budget reached (%d tokens)", tokens)
-            return {"ok": ok, "stop": self.finished_at is not None}
+            granted = [lease.as_tuple() for lease in leases or []]
+            return {"ok": ok, "stop": self.finished_at is not None, "leases": granted}
 
     @ray.method(concurrency_group="control")
     def status(self, since_event: int = 0) -> dict[str, Any]:
@@ -155,7 +198,8 @@ class Synchronizer:
                 "run": self.cfg.name,
                 "started_at": self.started_at,
                 "config_digest": config_digest(self.cfg),
-                "num_params": self.setup.param_bytes() // 4,
+                "num_params": self.setup.num_params(),
+                "tokens_per_example": self.setup.task.data.tokens_per_example,
                 "tokens": core.ledger.tokens_trained,
                 "rounds": rounds,
                 "versions": core.book.versions(),
@@ -216,9 +260,10 @@ class Synchronizer:
         if newest is not None:
             self._publish({meta.learner: newest}, behind)
         self._wake.set()
-        self.metrics.link_bytes(meta.learner, "up", up)
+        region = self.regions.get(meta.learner, LOCAL_REGION)
+        self.metrics.link_bytes(meta.learner, region, "up", up)
         if verdict.value != "accepted":
-            self.metrics.contribution_rejected(verdict.value)
+            self.metrics.contribution_rejected(meta.learner, verdict.value)
             with self._lock:
                 self.journal.record(
                     ContributionRejected(
@@ -303,7 +348,9 @@ class Synchronizer:
             closes = self.core.close_due(self._now())
         for close in closes:
             try:
+                started = time.perf_counter()
                 pub = self.core.merge(close)  # outside the lock: offers and reports go on
+                self.metrics.merge_time(time.perf_counter() - started)
             except Exception:
                 logger.exception("merge of fragment %d failed; round put back", close.fragment)
                 with self._lock:
@@ -328,6 +375,8 @@ class Synchronizer:
                         pub.version,
                         len(close.contributions),
                         close.num_tokens,
+                        close.grace_s,
+                        close.closed_s - close.quorum_s,
                     )
                 )
             self._publish(messages, targets)
@@ -353,7 +402,7 @@ class Synchronizer:
             for host in targets[learner]:
                 send = functools.partial(_send, host, msg, refs[id(msg)])
                 self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, "down", msg.nbytes)
+            self.metrics.link_bytes(learner, region, "down", msg.nbytes)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
@@ -364,6 +413,7 @@ class Synchronizer:
             m.staleness(s)
         m.global_version(pub.version)
         m.live_learners(live)
+        m.synchronizer_memory(psutil.Process().memory_info().rss)
 
     def _evaluate(self) -> float:
         with self._lock:
@@ -371,6 +421,7 @@ class Synchronizer:
         loss = self.setup.evaluate(self.core.global_params())
         with self._lock:
             self.journal.eval_point(tokens, rounds, loss)
+            self.journal.record(HeldoutEvaluated(time.time(), tokens, rounds, loss))
         self.metrics.heldout_loss(loss)
         return loss
 
@@ -380,7 +431,9 @@ class Synchronizer:
         """Number restored fragments above every version published before a restart (the
         mark survives the checkpoints' gap), so versions never go backwards."""
         self.versions_mark = VersionMark(checkpoint_dir(self.cfg))
-        lost = self.core.resume_versions(self.versions_mark.load())
+        versions, frontier = self.versions_mark.load()
+        self.core.ledger.pool.raise_frontiers(frontier)
+        lost = self.core.resume_versions(versions)
         if lost:
             base = self.restored or {
                 "versions": {},
@@ -404,9 +457,10 @@ def _send(host: Any, msg: Message, ref: Any) -> None:
 
 
 def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
-    """The named, detached, restartable actor pinned to the head (or its configured region)."""
+    """The named, detached, restartable actor pinned to the head. `synchronizer.region` names
+    the head's region (for the links and `ray-diloco plan`); a region selector alone could put
+    the synchronizer on a TPU host of that region."""
     s = cfg.synchronizer
-    placement = head_pin_options() if s.region == LOCAL_REGION else region_options(s.region)
     return {
         "name": s.name,
         "namespace": s.namespace,
@@ -417,7 +471,7 @@ def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
         "num_cpus": 0,
         # The synchronizer does no forward/backward: never let JAX grab an accelerator.
         "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
-        **placement,
+        **head_pin_options(),
     }
 
 

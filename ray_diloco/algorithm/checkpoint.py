@@ -30,15 +30,16 @@ ARRAYS, META = "arrays", "meta"
 
 
 def state_digest(cfg: RunConfig) -> str:
-    """Digest of what shapes the synchronizer's state (model, seed, fragments, outer
+    """Digest of what shapes the synchronizer's state (task, seed, fragments, outer
     optimizer): a checkpoint is restored only into a run with the same digest."""
     shape = {
         "seed": cfg.seed,
-        "model": cfg.model.model_dump(mode="json"),
+        "task": cfg.task,
+        "task_args": cfg.task_args,
         "outer": cfg.outer.model_dump(mode="json"),
         "num_fragments": cfg.diloco.num_fragments,
     }
-    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class Checkpointer:
@@ -90,6 +91,14 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def global_values(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The global parameters (every fragment's value, a flat dict) in a checkpoint's arrays."""
+    out: dict[str, np.ndarray] = {}
+    for values in arrays["values"].values():
+        out.update({k: np.asarray(v) for k, v in values.items()})
+    return out
 
 
 def sync_state_to_tree(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

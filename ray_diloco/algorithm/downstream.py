@@ -1,7 +1,7 @@
 """Layer: algorithm (pure, no Ray). Publications on their way down (synchronizer to learner), and
 the synchronizer's record of what each learner holds.
 
-With a float publication dtype (the default: bfloat16, or float32 when the wire is float32) a
+With a float publication dtype (bfloat16, or float32 when the wire is float32) a
 learner gets the new global value of a fragment outright. With a quantized one (int8, int4,
 int2) it gets the *difference* between the new global value and the value it holds, quantized.
 The record keeps exactly the values each learner was sent (decoded, as the learner decodes

@@ -1,30 +1,34 @@
 """Layer: algorithm (pure, no Ray). The inner optimizer and the learner's jitted inner step
 (`loss, grads = step(params, batch)` in algorithm.md section 4), plus held-out evaluation (the
-quality measure of section 9).
+quality measure of section 9), for any task (ray_diloco/task.py).
 
-Inner optimizer: global-norm clipping, then AdamW with linear warm-up and cosine decay to
-`final_lr_fraction * lr`. Weight decay skips norm scales (decaying a scale towards 0 fights the
-normalisation it exists for). The inner state is kept when a fragment is overwritten by the
-synchronizer (section 4 Decision), so nothing here knows about fragments. All functions are pure
-and donate no buffers: the learner keeps references to old parameters (host copies for offers).
+The learner keeps its parameters as a flat dict keyed by key path (algorithm/pytree.py); the
+jitted step hands the task's loss and optimizer the task's own pytree back, so a task's optax
+chain (masks, per-leaf rules) sees the structure it was written for. Default inner optimizer:
+global-norm clipping, then AdamW with linear warm-up and cosine decay to
+`final_lr_fraction * lr`; weight decay skips leaves of fewer than 2 dimensions (biases, norm
+scales: decaying a scale towards 0 fights the normalisation it exists for). The inner state is
+kept when a fragment is overwritten by the synchronizer (section 4 Decision), so nothing here
+knows about fragments. All functions are pure and donate no buffers: the learner keeps
+references to old parameters (host copies for offers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from ray_diloco.config import InnerOptimizerConfig, ModelConfig
-from ray_diloco.tasks import transformer as model
+from ray_diloco.algorithm.pytree import TreeLayout
+from ray_diloco.config import InnerOptimizerConfig
+from ray_diloco.task import Batch, Task
 
-Params = dict[str, jax.Array]
-TrainStep = Callable[[Params, Any, jax.Array, jax.Array], tuple[Params, Any, jax.Array]]
-EvalFn = Callable[[Params, jax.Array, jax.Array], jax.Array]
+Flat = dict[str, jax.Array]
+TrainStep = Callable[[Flat, Any, Batch], tuple[Flat, Any, jax.Array]]
+EvalFn = Callable[[Flat, Batch], jax.Array]
 
 
 def make_lr_schedule(cfg: InnerOptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -40,9 +44,9 @@ def make_lr_schedule(cfg: InnerOptimizerConfig, total_steps: int) -> optax.Sched
     )
 
 
-def decay_mask(params: Mapping[str, Any]) -> dict[str, bool]:
-    """True for leaves that get weight decay: everything except norm scales."""
-    return {path: not path.endswith("/scale") for path in params}
+def decay_mask(params: Any) -> Any:
+    """True for leaves that get weight decay: matrices and larger, not biases or norm scales."""
+    return jax.tree.map(lambda leaf: leaf.ndim >= 2, params)
 
 
 def make_inner_optimizer(
@@ -61,43 +65,45 @@ def make_inner_optimizer(
     )
 
 
-def _loss(cfg: ModelConfig, params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy (nats) over every position of the batch."""
-    logits = model.apply(cfg, params, x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def inner_optimizer(
+    task: Task, cfg: InnerOptimizerConfig, total_steps: int
+) -> optax.GradientTransformation:
+    """The task's own optimizer if it brings one, else the config's AdamW."""
+    if task.optimizer is not None:
+        return task.optimizer(total_steps)
+    return make_inner_optimizer(cfg, total_steps)
 
 
-def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainStep:
-    """The jitted inner step `(params, opt_state, x, y) -> (params, opt_state, loss)`.
+def make_train_step(task: Task, layout: TreeLayout, tx: optax.GradientTransformation) -> TrainStep:
+    """The jitted inner step `(flat params, opt_state, batch) -> (flat params, opt_state, loss)`;
+    `opt_state` has the structure of the task's pytree (`init_opt_state`)."""
 
-    Note: JAX returns dicts with sorted keys, so the returned params are not in model order;
-    code that needs model order iterates `model.leaf_paths(cfg)`."""
-
-    def step(
-        params: Params, opt_state: Any, x: jax.Array, y: jax.Array
-    ) -> tuple[Params, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda p: _loss(model_cfg, p, x, y))(params)
+    def step(flat: Flat, opt_state: Any, batch: Batch) -> tuple[Flat, Any, jax.Array]:
+        params = layout.unflatten(flat)
+        (loss, _), grads = jax.value_and_grad(task.loss, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return layout.flatten(optax.apply_updates(params, updates)), opt_state, loss
 
     return jax.jit(step)
 
 
-def make_eval_fn(model_cfg: ModelConfig) -> EvalFn:
-    """The jitted evaluation loss `(params, x, y) -> loss` (same loss as training)."""
+def init_opt_state(tx: optax.GradientTransformation, layout: TreeLayout, flat: Flat) -> Any:
+    return tx.init(layout.unflatten(flat))
 
-    def eval_loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
-        return _loss(model_cfg, params, x, y)
+
+def make_eval_fn(task: Task, layout: TreeLayout) -> EvalFn:
+    """The jitted evaluation loss `(flat params, batch) -> loss` (the task's training loss)."""
+
+    def eval_loss(flat: Flat, batch: Batch) -> jax.Array:
+        return task.loss(layout.unflatten(flat), batch)[0]
 
     return jax.jit(eval_loss)
 
 
-def evaluate(
-    eval_fn: EvalFn, params: Params, batches: Iterable[tuple[np.ndarray, np.ndarray]]
-) -> float:
-    """Mean loss over `batches` (all of equal size, as `data.heldout_batches` gives them).
-    One host transfer at the end instead of one per batch."""
-    losses = [eval_fn(params, jnp.asarray(x), jnp.asarray(y)) for x, y in batches]
+def evaluate(eval_fn: EvalFn, params: Flat, batches: Iterable[Batch]) -> float:
+    """Mean loss over `batches` (all of equal size, as held-out sources give them). One host
+    transfer at the end instead of one per batch."""
+    losses = [eval_fn(params, jax.tree.map(jnp.asarray, b)) for b in batches]
     if not losses:
-        raise ValueError("evaluate: no batches given")
+        raise ValueError("evaluate: no held-out batches given")
     return float(jnp.mean(jnp.stack(losses)))

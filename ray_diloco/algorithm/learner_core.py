@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,30 +22,90 @@ import optax
 
 from ray_diloco.algorithm import inner, wire
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
+from ray_diloco.algorithm.leases import ENDLESS, Lease
+from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.algorithm.rounds import ContributionMeta
-from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, ModelConfig, RunConfig
-from ray_diloco.tasks import byte_corpus as data
+from ray_diloco.algorithm.setup import tokens_per_step, total_inner_steps
+from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, RunConfig
+from ray_diloco.task import Batch, Task
 
 logger = logging.getLogger(__name__)
 
 Snapshot = Mapping[int, tuple[int, Mapping[str, np.ndarray]]]
 
 
-def total_inner_steps(cfg: RunConfig, batch_size: int) -> int:
-    """Inner steps this learner takes if every learner shares the token budget by batch size;
-    the length of its learning-rate schedule."""
-    total_batch = sum(lg.batch_size for lg in cfg.learners)
-    return max(1, cfg.token_budget // (total_batch * cfg.model.seq_len))
-
-
 @functools.lru_cache(maxsize=8)
 def _compiled_step(
-    model_cfg: ModelConfig, inner_cfg: InnerOptimizerConfig, total_steps: int
+    task: Task, tree: TreeLayout, inner_cfg: InnerOptimizerConfig, total_steps: int
 ) -> tuple[optax.GradientTransformation, inner.TrainStep]:
-    """One jitted step per configuration, shared by every learner in the process (the
+    """One jitted step per task and schedule, shared by every learner in the process (the
     reference run has M of them): XLA compiles once instead of M times."""
-    tx = inner.make_inner_optimizer(inner_cfg, total_steps)
-    return tx, inner.make_train_step(model_cfg, tx)
+    tx = inner.inner_optimizer(task, inner_cfg, total_steps)
+    return tx, inner.make_train_step(task, tree, tx)
+
+
+class DataStarved(Exception):
+    """The learner consumed every lease it holds (the synchronizer has not topped them up)."""
+
+
+class LeaseReader:
+    """Batches of `batch_size` examples read from a queue of leases in order. Inside a lease a
+    learner reads one continuous stream (exactly the batches a fixed shard would give); a
+    batch that a lease cannot fill takes its remaining examples from the next lease (the task
+    contract's example addressing makes that the same data, read in two pieces)."""
+
+    def __init__(
+        self, data: Any, num_parts: int, batch_size: int, leases: Sequence[Lease], offset: int
+    ) -> None:
+        self.data, self.num_parts, self.batch_size = data, num_parts, batch_size
+        self.unit = data.tokens_per_example
+        self.queue: deque[Lease] = deque()
+        self.offset = offset  # tokens of queue[0] already read
+        self._stream: Iterator[tuple[Batch, int]] | None = None
+        self.add(leases)
+
+    def add(self, leases: Sequence[Lease]) -> None:
+        for lease in leases:
+            last = self.queue[-1] if self.queue else None
+            if last is not None and last.part == lease.part and last.end == lease.start:
+                self.queue[-1] = Lease(last.part, last.start, lease.end)  # one stream
+            else:
+                self.queue.append(lease)
+
+    def ahead(self) -> int:
+        """Tokens leased and not read yet."""
+        return sum(lease.size for lease in self.queue) - self.offset
+
+    def next(self) -> tuple[Batch, int]:
+        pieces: list[tuple[Batch, int]] = []
+        need = self.batch_size
+        while need:
+            if not self.queue:
+                raise DataStarved(f"no lease left ({self.batch_size - need} examples read)")
+            lease = self.queue[0]
+            available = (lease.size - self.offset) // self.unit
+            if available == 0:
+                self.queue.popleft()
+                self.offset, self._stream = 0, None
+                continue
+            if need == self.batch_size and available >= need:
+                if self._stream is None:
+                    self._stream = self.data.batches(
+                        lease.part, self.num_parts, lease.start + self.offset, self.batch_size
+                    )
+                batch, tokens = next(self._stream)
+            else:  # part of a batch, from a lease's end or a new lease's start
+                take = min(need, available)
+                start = lease.start + self.offset
+                batch, tokens = next(self.data.batches(lease.part, self.num_parts, start, take))
+                self._stream = None
+            pieces.append((batch, tokens))
+            self.offset += tokens
+            need -= jax.tree.leaves(batch)[0].shape[0]
+        if len(pieces) == 1:
+            return pieces[0]
+        joined = jax.tree.map(lambda *xs: np.concatenate(xs), *[b for b, _ in pieces])
+        return joined, sum(t for _, t in pieces)
 
 
 class DeviceLayout:
@@ -55,38 +116,46 @@ class DeviceLayout:
     def param(self, host: np.ndarray) -> jax.Array:
         return jnp.asarray(host)
 
-    def batch(self, x: np.ndarray, y: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        return jnp.asarray(x), jnp.asarray(y)
+    def batch(self, batch: Batch) -> Batch:
+        return jax.tree.map(jnp.asarray, batch)
 
 
 class LearnerCore:
+    """`task` and `tree` (the parameters' layout) say what is trained, `plan` how it is cut into
+    fragments; the learner reads its `leases` of the task's data (parts of `num_parts`,
+    algorithm/leases.py), `offset` tokens into the first, having consumed `cursor` tokens
+    before (its whole life: the number its progress reports carry)."""
+
     def __init__(
         self,
         cfg: RunConfig,
         learner: LearnerGroupConfig,
+        task: Task,
+        tree: TreeLayout,
         plan: FragmentPlan,
         snapshot: Snapshot,
-        train_tokens: np.ndarray,
         *,
         incarnation: int = 0,
+        leases: Sequence[Lease] = (Lease(0, 0, ENDLESS),),
+        offset: int = 0,
         cursor: int = 0,
-        shard_index: int = 0,
-        num_shards: int = 1,
+        num_parts: int = 1,
         total_steps: int | None = None,
         layout: DeviceLayout | None = None,
     ) -> None:
         self.cfg = cfg
+        self.task, self.tree = task, tree
         self.layout = layout or DeviceLayout()
         self.name = learner.name
         self.batch_size = learner.batch_size
         self.incarnation = incarnation
         self.plan = plan
-        self.train_tokens = train_tokens
-        self.shard = (shard_index, num_shards)
-        self.tokens_per_step = learner.batch_size * cfg.model.seq_len
-        steps = total_steps or total_inner_steps(cfg, learner.batch_size)
-        self.tx, self.step_fn = _compiled_step(cfg.model, cfg.inner, steps)
+        self.num_parts = num_parts
+        self.tokens_per_step = tokens_per_step(task, learner)
+        steps = total_steps or total_inner_steps(cfg, task)
+        self.tx, self.step_fn = _compiled_step(task, tree, cfg.inner, steps)
         self.cursor = cursor
+        self.reader = LeaseReader(task.data, num_parts, learner.batch_size, leases, offset)
         # A restarted learner continues its schedule where its data cursor says it was.
         self.step = cursor // self.tokens_per_step
         num_fragments = plan.num_fragments
@@ -106,7 +175,7 @@ class LearnerCore:
         self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
 
     def _fresh_opt_state(self) -> Any:
-        state = self.tx.init(self.params)
+        state = inner.init_opt_state(self.tx, self.tree, self.params)
         if self.step:
             # Move every step count (the schedule's and Adam's) to where this learner stands.
             state = optax.tree_utils.tree_set(state, count=jnp.asarray(self.step, jnp.int32))
@@ -192,10 +261,11 @@ class LearnerCore:
     ) -> None:
         host = {k: np.asarray(values[k], np.float32) for k in self.plan.fragments[p]}
         for k, g in host.items():
+            value = g.astype(self.tree.dtypes[k])  # the task's dtype (the wire carries float32)
             if alpha and k in self.params:
-                self.params[k] = alpha * self.params[k] + (1 - alpha) * self.layout.param(g)
+                self.params[k] = alpha * self.params[k] + (1 - alpha) * self.layout.param(value)
             else:
-                self.params[k] = self.layout.param(g)
+                self.params[k] = self.layout.param(value)
         # Decision (algorithm.md section 4): the inner optimizer state is kept.
         self.base_values[p] = host
         self.base_version[p] = version
@@ -206,21 +276,27 @@ class LearnerCore:
 
     # -- the inner loop -----------------------------------------------------------------------
 
-    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        x, y, _ = data.batch_at(
-            self.train_tokens, self.shard, self.cursor, self.batch_size, self.cfg.model.seq_len
+    def seek(self, cursor: int) -> None:
+        """Read the whole of one endless part from token offset `cursor` on: a data-parallel
+        job, which has no leases, restarting from its checkpoint."""
+        self.cursor = cursor
+        self.reader = LeaseReader(
+            self.task.data, 1, self.batch_size, [Lease(0, cursor, ENDLESS)], 0
         )
-        return x, y
 
-    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+    def next_batch(self) -> tuple[Batch, int]:
+        """The next batch and its number of tokens."""
+        return self.reader.next()
+
+    def train_step(self, batch: Batch, num_tokens: int) -> float:
         self.params, self.opt_state, loss = self.step_fn(
-            self.params, self.opt_state, *self.layout.batch(x, y)
+            self.params, self.opt_state, self.layout.batch(batch)
         )
         self.step += 1
-        self.cursor += self.tokens_per_step
+        self.cursor += num_tokens
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
-            self.tokens_since[p] += self.tokens_per_step
+            self.tokens_since[p] += num_tokens
         return float(loss)
 
     def blocked_on(self) -> list[int]:
@@ -235,22 +311,34 @@ class LearnerCore:
         """Contributions due at the current step: the host copy of each due fragment, sent as
         its delta to the base version's published value in the configured wire dtype."""
         d = self.cfg.diloco
-        out = []
-        for p in due_fragments(self.step, d.sync_every, d.num_fragments):
-            base = self.base_values[p]
-            delta = {k: np.asarray(self.params[k], np.float32) - base[k] for k in base}
-            meta = ContributionMeta(
-                learner=self.name,
-                incarnation=self.incarnation,
-                fragment=p,
-                base_version=self.base_version[p],
-                step=self.step,
-                num_steps=self.steps_since[p],
-                num_tokens=self.tokens_since[p],
-            )
-            if not all(np.isfinite(v).all() for v in delta.values()):
-                logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
-                continue
-            out.append((meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)))
-            self.outstanding[p] = (self.step, self.base_version[p])
-        return out
+        due = due_fragments(self.step, d.sync_every, d.num_fragments)
+        return [offer for p in due if (offer := self._offer(p)) is not None]
+
+    def final_offers(self) -> list[tuple[ContributionMeta, dict[str, wire.Encoded]]]:
+        """Before leaving the run for good: every fragment with work not offered yet, so no
+        finished step is lost (a graceful leave)."""
+        unsent = [
+            p
+            for p in range(self.plan.num_fragments)
+            if self.steps_since[p] and self.outstanding.get(p, (-1, 0))[0] < self.step
+        ]
+        return [offer for p in unsent if (offer := self._offer(p)) is not None]
+
+    def _offer(self, p: int) -> tuple[ContributionMeta, dict[str, wire.Encoded]] | None:
+        d = self.cfg.diloco
+        base = self.base_values[p]
+        delta = {k: np.asarray(self.params[k], np.float32) - base[k] for k in base}
+        meta = ContributionMeta(
+            learner=self.name,
+            incarnation=self.incarnation,
+            fragment=p,
+            base_version=self.base_version[p],
+            step=self.step,
+            num_steps=self.steps_since[p],
+            num_tokens=self.tokens_since[p],
+        )
+        if not all(np.isfinite(v).all() for v in delta.values()):
+            logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
+            return None
+        self.outstanding[p] = (self.step, self.base_version[p])
+        return meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)

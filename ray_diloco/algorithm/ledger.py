@@ -1,10 +1,11 @@
 """Layer: algorithm (pure, no Ray). The token ledger (algorithm.md section 7).
 
-Per learner it keeps the data cursor (token offset into the learner's shard, which is also the
-number of tokens it has trained, across incarnations) and, per fragment, the tokens that made
-it into the global model. A restarted learner resumes its data from `resume_cursor`, so no data
-is skipped or repeated; `violations()` proves no token was merged twice. The synchronizer
-checkpoints the ledger with its fragments, so a synchronizer restart keeps it too.
+Per learner it keeps the data cursor (the number of tokens it has trained, across
+incarnations) and, per fragment, the tokens that made it into the global model; the data pool
+(algorithm/leases.py) says which ranges of the task's data each learner holds, has read, or
+gave back when it left. A restarted learner resumes its leases at `resume_cursor`, so no data
+is skipped or repeated; `violations()` proves no token was merged twice and none read twice.
+The synchronizer checkpoints the ledger with its fragments, so a synchronizer restart keeps it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.rounds import RoundClose
 
 
@@ -23,16 +25,28 @@ class LearnerAccount:
 
 
 class TokenLedger:
-    def __init__(self) -> None:
+    def __init__(self, pool: DataPool) -> None:
         self.accounts: dict[str, LearnerAccount] = {}
+        self.pool = pool
 
     def account(self, learner: str) -> LearnerAccount:
         return self.accounts.setdefault(learner, LearnerAccount())
 
-    def record_progress(self, learner: str, cursor: int) -> None:
+    def join(self, learner: str, home: int | None) -> tuple[list[Lease], int]:
+        """The leases a (re)joining learner reads and how far into the first it already is."""
+        self.account(learner)
+        return self.pool.join(learner, home)
+
+    def record_progress(self, learner: str, cursor: int) -> list[Lease]:
+        """A progress report; returns the leases that keep the learner supplied."""
         acct = self.account(learner)
         # Reports can arrive out of order across concurrency groups; the cursor only grows.
         acct.cursor = max(acct.cursor, cursor)
+        return self.pool.advance(learner, acct.cursor)
+
+    def leave(self, learner: str) -> list[Lease]:
+        """A learner left for good: its unread leases go back to the pool."""
+        return self.pool.leave(learner) if learner in self.pool.holders else []
 
     def record_merge(self, close: RoundClose) -> None:
         for c in close.contributions:
@@ -51,8 +65,9 @@ class TokenLedger:
         return sum(a.merged.get(fragment, 0) for a in self.accounts.values())
 
     def violations(self) -> list[str]:
-        """Fragments into which a learner merged more tokens than it ever trained."""
-        out = []
+        """Fragments into which a learner merged more tokens than it ever trained, and data
+        read twice or lost (the pool's books)."""
+        out = self.pool.check()
         for name, acct in sorted(self.accounts.items()):
             for p, tokens in sorted(acct.merged.items()):
                 if tokens > acct.cursor:
@@ -60,12 +75,15 @@ class TokenLedger:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        accounts = {
             name: {"cursor": a.cursor, "merged": a.merged, "contributions": a.contributions}
             for name, a in self.accounts.items()
         }
+        return {"accounts": accounts, "pool": self.pool.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pool.load_state_dict(state["pool"])
+        state = state["accounts"]
         self.accounts = {
             name: LearnerAccount(
                 cursor=int(s["cursor"]),

@@ -9,7 +9,8 @@ so the in-process reference run, the Ray synchronizer and the goodput simulator 
 same rules on their own clocks.
 
 A round of fragment p closes when both hold:
-  1. at least `quorum_min` (K) distinct learners are pending for p, and
+  1. at least K distinct learners are pending for p (K = `quorum_min`, never more than the
+     learners in the run: a learner that left does not count; synchronous mode: all of them),
   2. the grace window has expired, or every live learner is pending.
 The grace window is fixed when the quorum is reached:
   grace = min(grace_max_s, grace_fraction * max(0, overlap_steps * step_time
@@ -50,6 +51,7 @@ class RoundPolicy:
     heartbeat_timeout_s: float
     step_time_ema: float
     inner_warmup_steps: int = 0
+    everyone: bool = False  # K is every learner in the run (synchronous mode's barrier)
 
     @classmethod
     def from_config(
@@ -73,6 +75,7 @@ class RoundPolicy:
             heartbeat_timeout_s=sync.heartbeat_timeout_s,
             step_time_ema=sync.step_time_ema,
             inner_warmup_steps=inner_warmup_steps,
+            everyone=synchronous,
         )
 
 
@@ -166,11 +169,20 @@ class _Member:
 class RoundBook:
     """Pending sets, quorum and grace per fragment, plus membership and fencing."""
 
-    def __init__(self, policy: RoundPolicy, num_fragments: int, sync_time_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        policy: RoundPolicy,
+        num_fragments: int,
+        sync_time_s: float = 0.0,
+        roster: set[str] | None = None,
+    ) -> None:
         self.policy = policy
         self.fragments = [_FragmentState() for _ in range(num_fragments)]
         self.members: dict[str, _Member] = {}
         self.sync_time_s = sync_time_s  # EMA of merge + publish time
+        # The learners in the run (the configured ones, joined, not yet left): K never exceeds
+        # their number. None: a fixed K, whoever registers.
+        self.roster = set(roster) if roster is not None else None
 
     # -- membership (section 7) -------------------------------------------------------------
 
@@ -200,8 +212,10 @@ class RoundBook:
             start_step=start_step,
             tokens_per_step=tokens_per_step,
         )
+        if self.roster is not None:
+            self.roster.add(learner)
         dropped = []
-        for frag in self.fragments:
+        for frag in self.fragments:  # the new incarnation adopts every fragment afresh
             frag.merged.pop(learner, None)
             frag.last_step.pop(learner, None)
             entry = frag.pending.pop(learner, None)
@@ -227,10 +241,25 @@ class RoundBook:
             )
         return True
 
-    def retire(self, learner: str) -> None:
-        """A learner that finished or was given up no longer counts as live."""
+    def leave(self, learner: str, now: float) -> None:
+        """`learner` left the run for good: it is no longer live, no longer counts toward K,
+        and rounds that only waited for it may now reach their quorum. Its pending
+        contributions stay and are merged (a graceful leave offers its work first)."""
         if learner in self.members:
             self.members[learner].active = False
+        if self.roster is not None:
+            self.roster.discard(learner)
+        for frag in self.fragments:
+            if not frag.merging and frag.pending:
+                self._maybe_reach_quorum(frag, now)
+
+    def quorum(self) -> int:
+        """K now: `quorum_min`, or every learner in the run in synchronous mode, never more
+        than the learners in the run (and at least 1)."""
+        if self.roster is None:
+            return self.policy.quorum_min
+        k = len(self.roster) if self.policy.everyone else self.policy.quorum_min
+        return max(1, min(k, len(self.roster)))
 
     def live(self, now: float) -> set[str]:
         horizon = now - self.policy.heartbeat_timeout_s
@@ -357,7 +386,7 @@ class RoundBook:
         return median > 0 and per_step > self.policy.norm_guard * median
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
-        if frag.quorum_s is not None or len(frag.pending) < self.policy.quorum_min:
+        if frag.quorum_s is not None or len(frag.pending) < self.quorum():
             return
         frag.quorum_s = now
         assert frag.opened_s is not None
@@ -466,9 +495,12 @@ class RoundBook:
             "norms": [list(f.norms) for f in self.fragments],
             "sync_time_s": self.sync_time_s,
             "incarnations": {n: m.incarnation for n, m in self.members.items()},
+            "roster": sorted(self.roster) if self.roster is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], now: float) -> None:
+        if self.roster is not None and state.get("roster") is not None:
+            self.roster = set(state["roster"])
         for frag, v, norms in zip(self.fragments, state["versions"], state["norms"], strict=True):
             frag.version = int(v)
             frag.norms.extend(float(x) for x in norms)

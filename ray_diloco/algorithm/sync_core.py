@@ -24,6 +24,7 @@ import numpy as np
 from ray_diloco.algorithm import merge, outer, wire
 from ray_diloco.algorithm.downstream import Downstream, Message, Published
 from ray_diloco.algorithm.fragments import FragmentPlan
+from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.rounds import (
     ContributionMeta,
@@ -57,6 +58,17 @@ UNTRUSTED_COUNTERS = frozenset(
 
 
 @dataclass(frozen=True)
+class Admission:
+    """What a registered learner starts from: fragment versions, its leases of the data (the
+    first one `offset` tokens in), and its cursor (tokens it trained so far)."""
+
+    versions: dict[int, int]
+    leases: list[Lease]
+    offset: int
+    cursor: int
+
+
+@dataclass(frozen=True)
 class Publication:
     """A merged fragment's new version (`messages` says what each recipient gets of it)."""
 
@@ -80,8 +92,12 @@ class SynchronizerCore:
             ),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
+            roster={lg.name for lg in cfg.learners},
         )
-        self.ledger = TokenLedger()
+        e = cfg.elastic
+        self.ledger = TokenLedger(DataPool(cfg.data_parts, e.lease_tokens, e.lease_ahead))
+        # The configured learners read their own part of the data; joiners have none.
+        self.homes = {lg.name: i for i, lg in enumerate(cfg.learners) if i < cfg.data_parts}
         self.values: list[Values] = [
             {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
         ]
@@ -96,11 +112,23 @@ class SynchronizerCore:
 
     # -- learners -----------------------------------------------------------------------------
 
-    def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
-        """Admit a learner (it resumes at the ledger's cursor); its contributions still pending
-        from before are dropped and counted as rejected (RoundBook.register)."""
-        tokens_per_step = self.cfg.tokens_per_step.get(learner)
+    def register(
+        self,
+        learner: str,
+        incarnation: int,
+        now: float,
+        held: tuple[list[Lease], int, int] | None = None,
+        tokens_per_step: int | None = None,
+    ) -> Admission:
+        """Admit `incarnation` of `learner` (fencing older ones): the versions it adopts and
+        the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
+        cursor) of a learner that kept training through a synchronizer restore.
+        `tokens_per_step`: its batch, which bounds the tokens its contributions may claim and
+        sizes a full round (`round_share`); None: not checked. Its contributions still pending
+        from an older incarnation are dropped and counted as rejected (RoundBook.register)."""
         cursor = self.ledger.resume_cursor(learner)
+        if held is not None:
+            cursor = max(cursor, held[2])
         versions, dropped = self.book.register(
             learner,
             incarnation,
@@ -111,7 +139,18 @@ class SynchronizerCore:
         for entry in dropped:
             self._reject(Verdict.OLD_INCARNATION, entry.meta, entry.num_tokens)
         self.down.adopted(learner, self.snapshot())
-        return versions
+        if held is not None:
+            self.ledger.pool.reclaim(learner, *held)
+            acct = self.ledger.account(learner)
+            acct.cursor = max(acct.cursor, held[2])
+        leases, offset = self.ledger.join(learner, self.homes.get(learner))
+        return Admission(versions, leases, offset, self.ledger.resume_cursor(learner))
+
+    def leave(self, learner: str, now: float) -> list[Lease]:
+        """`learner` left the run for good: out of the quorum, its unread data back to the
+        pool (returned)."""
+        self.book.leave(learner, now)
+        return self.ledger.leave(learner)
 
     def snapshot(self) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
         """The latest published version of every fragment: what a (re)joining learner adopts."""
@@ -119,11 +158,12 @@ class SynchronizerCore:
 
     def report(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None, cursor: int
-    ) -> bool:
-        ok = self.book.heartbeat(learner, incarnation, now, step_time_s)
-        if ok:
-            self.ledger.record_progress(learner, cursor)
-        return ok
+    ) -> list[Lease] | None:
+        """A progress report: the leases that keep the learner supplied, or None when the
+        report comes from a fenced (or unknown) incarnation."""
+        if not self.book.heartbeat(learner, incarnation, now, step_time_s):
+            return None
+        return self.ledger.record_progress(learner, cursor)
 
     def offer(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float
@@ -235,8 +275,9 @@ class SynchronizerCore:
     def round_share(self, close: RoundClose) -> float:
         """The share of a full round's work a round merged: its tokens over the tokens every
         learner live at its close trains in `sync_every` steps (1 when that is unknown)."""
-        tokens_per_step = self.cfg.tokens_per_step
-        full = self.cfg.diloco.sync_every * sum(tokens_per_step.get(n, 0) for n in close.live)
+        members = self.book.members
+        per_step = sum(members[n].tokens_per_step or 0 for n in close.live if n in members)
+        full = self.cfg.diloco.sync_every * per_step
         return min(1.0, close.num_tokens / full) if full > 0 else 1.0
 
     def commit(self, pub: Publication, now: float) -> None:

@@ -64,6 +64,10 @@ class DegradationMonitor:
         self.starve_s, self.ema = starve_s, ema
         self.tracks = {name: _Track() for name in learners}
 
+    def add(self, learner: str) -> None:
+        """A learner joined the run: watch it too."""
+        self.tracks.setdefault(learner, _Track())
+
     def reset(self, learner: str, now: float) -> list[Event]:
         """A new incarnation starts: forget the baseline; open degradations end here."""
         events: list[Event] = [

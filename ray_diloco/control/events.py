@@ -28,6 +28,7 @@ class LearnerState(enum.StrEnum):
     RESTARTING = "restarting"
     GAVE_UP = "gave_up"
     FINISHED = "finished"
+    LEFT = "left"  # left the run on purpose (a request, a drained node, retired): no failure
 
 
 class FailureKind(enum.StrEnum):
@@ -137,6 +138,30 @@ class LearnerStateChanged(Event):
 
 @_register
 @dataclass(frozen=True)
+class LearnerJoined(Event):
+    """A learner joined the running job (`reason`: requested, scavenged, scheduled)."""
+
+    kind: ClassVar[str] = "learner_joined"
+    learner: str
+    region: str
+    accelerator: str
+    reason: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class LearnerLeft(Event):
+    """A learner left the run for good, on purpose: not a failure. `tokens_returned`: its
+    unread leased data, given back to the pool."""
+
+    kind: ClassVar[str] = "learner_left"
+    learner: str
+    reason: str
+    tokens_returned: int = 0
+
+
+@_register
+@dataclass(frozen=True)
 class FaultInjected(Event):
     """A chaos fault was executed; `fault` is a config.FaultKind string."""
 
@@ -199,13 +224,29 @@ class ContributionRejected(Event):
 @_register
 @dataclass(frozen=True)
 class RoundClosed(Event):
-    """Round of `fragment` closed and published `version`; uptime counts these."""
+    """Round of `fragment` closed and published `version`; uptime counts these. `grace_s`:
+    the grace window the round allowed after reaching quorum; `waited_s`: how long it
+    actually stayed open after quorum (less when every live learner was in). None on tapes
+    written before they were recorded."""
 
     kind: ClassVar[str] = "round_closed"
     fragment: int
     version: int
     num_contributors: int
     tokens: int
+    grace_s: float | None = None
+    waited_s: float | None = None
+
+
+@_register
+@dataclass(frozen=True)
+class HeldoutEvaluated(Event):
+    """The synchronizer evaluated the global parameters: the run's loss curve."""
+
+    kind: ClassVar[str] = "heldout_evaluated"
+    tokens: int
+    rounds: int
+    loss: float
 
 
 @_register

@@ -7,7 +7,8 @@ a live run, a replayed tape and the simulator. Definitions, precisely:
   and runs to `end_t`. Until its first `LearnerStateChanged` it counts as `starting`; after
   that each state holds until the learner's next change, or until a later `RunStarted` (a run
   resumed by a new driver on the same tape), which puts every learner back to `starting`.
-- allocated = time line minus time in `gave_up` and `finished` (capacity no longer held).
+- allocated = time line minus time in `gave_up`, `finished` and `left` (capacity no longer
+  held: a learner that left on purpose costs nothing from then on, and is no failure).
 - productive = time in `training` minus `WorkLost.seconds` (work a restart threw away), >= 0.
   Compiling, blocked, dead and restarting time is allocated but not productive.
 - goodput = sum(productive) / sum(allocated) over learners (0.0 when nothing was allocated).
@@ -44,7 +45,7 @@ from ray_diloco.control.events import (
 
 log = logging.getLogger(__name__)
 
-UNALLOCATED = frozenset({LearnerState.GAVE_UP, LearnerState.FINISHED})
+UNALLOCATED = frozenset({LearnerState.GAVE_UP, LearnerState.FINISHED, LearnerState.LEFT})
 
 
 @dataclass(frozen=True)

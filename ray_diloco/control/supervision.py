@@ -86,6 +86,29 @@ class Supervision:
     def incarnation(self, learner: str) -> int:
         return self.watches[learner].incarnation
 
+    # -- membership ---------------------------------------------------------------------------
+
+    def add(self, learner: str, now: float, num_hosts: int = 1) -> list[Event]:
+        """A learner joins the running job: watched from now on, starting (incarnation 0)."""
+        if learner in self.watches and self.watches[learner].state is not LearnerState.LEFT:
+            raise ValueError(f"learner {learner!r} is already in the run")
+        self.watches[learner] = _Watch(last_seen_s=now)
+        self.num_hosts[learner] = num_hosts
+        return [LearnerStateChanged(now, learner, 0, LearnerState.STARTING, "joined")]
+
+    def leave(self, learner: str, now: float, reason: str) -> list[Event]:
+        """The learner leaves the run on purpose: never detected as failed, never restarted."""
+        w = self.watches[learner]
+        if w.state is LearnerState.LEFT:
+            return []
+        w.state, w.restart_at_s = LearnerState.LEFT, None
+        return [LearnerStateChanged(now, learner, w.incarnation, LearnerState.LEFT, reason)]
+
+    def in_run(self) -> list[str]:
+        """Learners neither left nor given up on (capacity the run still counts on)."""
+        gone = (LearnerState.LEFT, LearnerState.GAVE_UP, LearnerState.FINISHED)
+        return [n for n, w in self.watches.items() if w.state not in gone]
+
     # -- observations -------------------------------------------------------------------------
 
     def heartbeat(
@@ -138,7 +161,7 @@ class Supervision:
     def finished(self, learner: str, now: float, reason: str = "budget") -> list[Event]:
         """The run no longer needs the learner: it is not watched or restarted any more."""
         w = self.watches[learner]
-        if w.state in (LearnerState.FINISHED, LearnerState.GAVE_UP):
+        if w.state in (LearnerState.FINISHED, LearnerState.GAVE_UP, LearnerState.LEFT):
             return []
         w.state = LearnerState.FINISHED
         w.restart_at_s = None
@@ -234,5 +257,11 @@ _LIVE = frozenset(
     {LearnerState.STARTING, LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLOCKED}
 )
 _DOWN = frozenset(
-    {LearnerState.DEAD, LearnerState.RESTARTING, LearnerState.GAVE_UP, LearnerState.FINISHED}
+    {
+        LearnerState.DEAD,
+        LearnerState.RESTARTING,
+        LearnerState.GAVE_UP,
+        LearnerState.FINISHED,
+        LearnerState.LEFT,
+    }
 )

@@ -1,37 +1,38 @@
 """Layer: algorithm (pure, no Ray, no JAX). Discrete-event goodput simulator at scale
 (algorithm.md sections 9 and 10).
 
-Three systems react to the same failure trace (`goodput_trace.make_trace`), on a virtual clock:
+Systems react to the same failure trace (`goodput_trace.make_trace`); each is a job, or a set
+of jobs, of `goodput_jobs` (one cost per failure that hits a running job; failures during a
+stall are repaired in parallel):
 
-- `data_parallel`: one SPMD job over every slice. It stops while any slice is down, pays
-  `restart_cost_s` to restart from its checkpoint once all are back, and loses the work done
-  since its last checkpoint (taken every `checkpoint_interval_s` of running time; 0 means every
-  step, i.e. the loss is folded into `restart_cost_s`). Checkpoint writes are free.
-- `elastic_dp`: slice-granular. Every failure and every return pauses the whole job for
-  `reconfig_pause_s` (a pause that starts during another restarts it); otherwise it trains on
-  the healthy slices. The step in flight at a failure is folded into the pause.
-- `decoupled`: M learners of about N/M chips (contiguous groups of slices). A learner is down
-  while any of its slices is down and for `learner_restart_s` after (the `data_parallel` rule on
-  its own slices); the others keep training. Learners contribute once per `round_period_s`
-  (lognormal jitter, std/mean `straggler_cv`) to a real `rounds.RoundBook` with one fragment:
-  register (a restart is a new incarnation), heartbeat, offer, poll, commit. A learner's time
-  counts as productive only up to its last contribution that a committed round merged; the
-  rest of an incarnation's work is lost when it dies. A contribution still pending when its
-  learner dies is kept by the book and merged later, so it counts. A commit publishes at once
-  to every live learner (they adopt it, so their counters restart); work still unmerged when
-  the run ends (at most a round period per learner) is not counted.
+- `data_parallel`: one SPMD job over every slice. It stops at a failure, waits for the slice,
+  pays `restart_cost_s` and loses the work done since its last checkpoint (taken every
+  `checkpoint_interval_s` of running time; 0 means every step, in memory, so the loss is
+  folded into `restart_cost_s`).
+- `elastic_dp`: slice-granular. A failure pauses the whole job `reconfig_pause_s` to re-mesh
+  onto the healthy slices; it goes on with fewer chips until the slice rejoins at a re-mesh.
+- `decoupled`: M learners of about N/M chips (contiguous groups of slices), each its own
+  elastic job (`learner_mode`: wait for the hot spare, shrink, or die and restart). Learners
+  offer their work once per `round_period_s` of running time (lognormal jitter, std/mean
+  `straggler_cv`) to a real `rounds.RoundBook` with one fragment: register (a restart is a new
+  incarnation), heartbeat, offer, poll, commit. A learner's chip-seconds count as productive
+  only up to its last offer that a committed round merged; a restarting learner loses the rest
+  of an incarnation's work when it dies. A contribution still pending when its learner dies is
+  kept by the book and merged later, so it counts. Work still unmerged when the run ends (at
+  most a round period per learner) is not counted.
 - `elastic_dp_per_learner`: the comparison of section 10, elastic data-parallel on N/M chips,
   run as M independent elastic jobs, one on each learner's slices, goodput averaged.
 
-Hardware fails on its own schedule, so the trace does not pause while a job is stopped.
-Cost: the decoupled system is dominated by the RoundBook, about 20-25 us of CPU per
-contribution; the default 30-day sweep takes about 20 s. A coarser `round_period_s` is faster
-but changes the answer, since a dying learner loses up to a round period of work.
-
 Goodput = productive chip-seconds / (N chips * duration). Uptime = the fraction of windows of
-`uptime_window_s` (default 2 x round_period_s, so one late contribution does not read as
-downtime) in which the model advanced: a committed round for `decoupled`, kept training time
-for the data-parallel systems (work later lost to a restart does not count).
+`uptime_window_s` in which the global model advanced: kept training time for the data-parallel
+systems (work later lost to a restart does not count); for `decoupled`, at least `quorum_min`
+learners running (with one fragment due per step, P = H, a running learner offers a fragment
+every step and K of them close a round).
+
+Cost: trace and the data-parallel systems take milliseconds (vectorised, plus one loop over
+failures in `stalls`); the decoupled system's offers are computed in bulk, and what remains is
+the RoundBook itself, ~10 us of CPU per offer (heartbeat, offer, poll, close, commit), so the
+run time is set by the number of offers, M * duration / round_period_s.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,17 +49,27 @@ import numpy as np
 
 from ray_diloco.algorithm.rounds import ContributionMeta, RoundBook, RoundClose, RoundPolicy
 from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
-from ray_diloco.sim.goodput_trace import (
-    FailureTrace,
-    available,
-    event_uptime,
-    make_trace,
-    window_uptime,
-)
+from ray_diloco.sim.goodput_jobs import Activity, Slices, cluster, groups, shrinking, waiting
+from ray_diloco.sim.goodput_trace import FailureTrace, make_trace, quorum_uptime, window_uptime
 
 logger = logging.getLogger(__name__)
 
-_UP, _OFFER, _POLL, _COMMIT = range(4)  # event kinds
+# The settings before calibration (issue 5): repairs and restarts ten times slower than the
+# published anchors imply, and learners that die at every failure. Kept because the shape of
+# the result under slow repair is a finding of its own.
+PRESETS: dict[str, dict[str, Any]] = {
+    "calibrated": {},
+    "slow-repair": {
+        "recovery_median_s": 60.0,
+        "recovery_sigma": 1.0,
+        "restart_cost_s": 600.0,
+        "checkpoint_interval_s": 600.0,
+        "reconfig_pause_s": 120.0,
+        "learner_mode": "restart",
+        "learner_restart_s": 120.0,
+        "round_period_s": 120.0,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -72,87 +82,80 @@ class SystemResult:
     goodput: float
     uptime: float
     failures: int  # slice failures in the trace
-    restarts: int  # job restarts, reconfigurations, or learner incarnations after the first
+    restarts: int  # job restarts, re-meshes, or learner incarnations after the first
     rounds: int = 0  # rounds committed by the RoundBook (decoupled only)
 
 
 def data_parallel(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemResult:
     dur = trace.duration_s
-    a, b = available(trace.fail_s, trace.return_s, cfg.restart_cost_s, dur)
+    job = waiting(cluster(trace), cfg.restart_cost_s)
+    a, b = job.starts, job.ends
     lost = np.zeros_like(a)
-    failed = b < dur  # the segment ended in a failure, not at the end of the run
+    failed = b < dur  # the interval ended in a failure, not at the end of the run
     if cfg.checkpoint_interval_s > 0:
         lost[failed] = np.mod(b[failed] - a[failed], cfg.checkpoint_interval_s)
     kept_end = b - lost
     return SystemResult(
         system="data_parallel",
-        chips=int(trace.slice_chips.sum()),
+        chips=job.total_chips,
         learners=1,
         goodput=float((kept_end - a).sum() / dur),
-        uptime=window_uptime(a, kept_end, dur, cfg.uptime_window),
+        uptime=window_uptime(a, kept_end, dur, cfg.uptime_window_s),
         failures=trace.num_failures,
-        restarts=int(failed.sum()),
+        restarts=job.num_stalls,
     )
 
 
-def _elastic(
-    cfg: GoodputSimConfig, trace: FailureTrace, lo: int, hi: int
-) -> tuple[float, float, int]:
-    """(goodput, uptime, reconfigurations) of one elastic job on slices [lo, hi)."""
-    dur, pause = trace.duration_s, cfg.reconfig_pause_s
-    mask = trace.of_slices(lo, hi)
-    fail, ret = trace.fail_s[mask], trace.return_s[mask]
-    chips = trace.slice_chips[trace.slice_id[mask]]
-    total = int(trace.slice_chips[lo:hi].sum())
-    back = ret < dur
-    times = np.r_[fail, ret[back]]
-    order = np.argsort(times, kind="stable")
-    t = times[order]
-    healthy = total + np.cumsum(np.r_[-chips, chips[back]][order])
-    # Between events k and k+1 the job is paused for the first `pause` seconds: a pause begun
-    # at an earlier event ends no later than the one begun at event k.
-    starts = np.r_[0.0, t + pause]
-    ends = np.r_[t, dur]
-    h = np.r_[total, healthy]
-    run = np.maximum(0.0, ends - starts)
-    goodput = float((h * run).sum() / (total * dur))
-    keep = (run > 0) & (h > 0)
-    return goodput, window_uptime(starts[keep], ends[keep], dur, cfg.uptime_window), len(t)
+def _uptime(cfg: GoodputSimConfig, job: Activity) -> float:
+    return window_uptime(job.starts, job.ends, job.duration_s, cfg.uptime_window_s)
 
 
 def elastic_dp(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemResult:
-    g, u, n = _elastic(cfg, trace, 0, trace.num_slices)
-    return SystemResult("elastic_dp", int(trace.slice_chips.sum()), 1, g, u, trace.num_failures, n)
+    job = shrinking(cluster(trace), cfg.reconfig_pause_s)
+    return SystemResult(
+        "elastic_dp",
+        job.total_chips,
+        1,
+        job.goodput(),
+        _uptime(cfg, job),
+        trace.num_failures,
+        job.num_stalls,
+    )
 
 
-def learner_groups(trace: FailureTrace, num_learners: int) -> list[tuple[int, int]]:
-    """Contiguous slice ranges [lo, hi), one per learner, sizes differing by at most one."""
+def learner_bounds(trace: FailureTrace, num_learners: int) -> list[int]:
+    """Bounds b of the learners' contiguous slice ranges [b[k], b[k+1]), sizes differing by
+    at most one."""
     if num_learners > trace.num_slices:
         raise ValueError(
             f"{num_learners} learners need at least as many slices; the cluster has "
             f"{trace.num_slices}. Raise goodput_sim.chips or lower goodput_sim.chips_per_slice"
         )
-    bounds = np.linspace(0, trace.num_slices, num_learners + 1).round().astype(int)
-    return list(itertools.pairwise(bounds.tolist()))
+    return [int(b) for b in np.linspace(0, trace.num_slices, num_learners + 1).round()]
 
 
 def elastic_per_learner(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemResult:
     """M independent elastic jobs, one on each learner's slices: elastic data-parallel on
     N/M chips, averaged over M draws of the same trace (the comparison of section 10)."""
-    groups = learner_groups(trace, cfg.num_learners)
-    runs = [_elastic(cfg, trace, lo, hi) for lo, hi in groups]
-    weights = np.array([trace.slice_chips[lo:hi].sum() for lo, hi in groups], dtype=float)
-    goodput = float(np.dot([r[0] for r in runs], weights) / weights.sum())
-    uptime = float(np.mean([r[1] for r in runs]))
+    slices = groups(trace, learner_bounds(trace, cfg.num_learners))
+    jobs = [shrinking(g, cfg.reconfig_pause_s) for g in slices]
     return SystemResult(
         "elastic_dp_per_learner",
         int(trace.slice_chips.sum()),
         cfg.num_learners,
-        goodput,
-        uptime,
+        sum(j.work for j in jobs) / (trace.slice_chips.sum() * trace.duration_s),
+        float(np.mean([_uptime(cfg, j) for j in jobs])),
         trace.num_failures,
-        sum(r[2] for r in runs),
+        sum(j.num_stalls for j in jobs),
     )
+
+
+def learner_activity(cfg: GoodputSimConfig, job: Slices) -> Activity:
+    """One learner on its slices, reacting to failures as `cfg.learner_mode` says."""
+    if cfg.learner_mode == "shrink":
+        return shrinking(job, cfg.reconfig_pause_s)
+    cost = cfg.reconfig_pause_s if cfg.learner_mode == "spare" else cfg.learner_restart_s
+    return waiting(job, cost)
 
 
 def round_policy(
@@ -174,6 +177,99 @@ def round_policy(
     return replace(base, quorum_min=min(cfg.quorum_min, num_learners), heartbeat_timeout_s=timeout)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """Every registration and offer of every learner, sorted by time (computed in bulk: a
+    learner's offers depend only on its own activity, never on the book's decisions)."""
+
+    time_s: np.ndarray
+    is_offer: np.ndarray  # False: a registration
+    learner: np.ndarray
+    incarnation: np.ndarray
+    work: np.ndarray  # chip-seconds of the incarnation up to the offer
+    steps: np.ndarray  # inner steps of the incarnation up to the offer
+    inc_start_s: np.ndarray  # when the incarnation started
+
+
+def _periods(rng: np.random.Generator, cv: float, n: int) -> np.ndarray:
+    """`n` round times in units of the round period: lognormal, mean 1, std/mean `cv`."""
+    if cv == 0:
+        return np.ones(n)
+    s = math.sqrt(math.log1p(cv * cv))
+    return rng.lognormal(-s * s / 2, s, n)
+
+
+def _offers(
+    job: Activity, restarts: bool, period_s: float, cv: float, rng: np.random.Generator
+) -> tuple[np.ndarray, ...]:
+    """One learner's offers: every (jittered) round period of running time, counted from the
+    start of its incarnation. A restarting learner's incarnation is one running interval;
+    otherwise the learner keeps its state through pauses and has one incarnation."""
+    run_before = job.running_before()
+    run_total = float(job.running_s.sum())
+    if restarts:
+        seg_start, seg_len = run_before, job.running_s
+    else:
+        seg_start, seg_len = np.array([0.0]), np.array([run_total])
+    # Draw enough round times per incarnation (20% margin + 3), then cut at its end; a
+    # segmented cumulative sum gives every incarnation's offsets at once.
+    need = (seg_len / period_s * 1.2).astype(np.int64) + 3
+    while True:
+        gaps = _periods(rng, cv, int(need.sum())) * period_s
+        seg = np.repeat(np.arange(len(seg_len)), need)
+        first = np.r_[0, np.cumsum(need)[:-1]]
+        total = np.cumsum(gaps)
+        offset = total - np.repeat(total[first] - gaps[first], need)
+        if np.all(offset[np.cumsum(need) - 1] >= seg_len):
+            break
+        need *= 2
+    keep = offset < seg_len[seg]
+    seg, offset = seg[keep], offset[keep]
+    tau = seg_start[seg] + offset  # on the learner's running clock
+    j = np.searchsorted(run_before, tau, side="right") - 1  # running interval of each offer
+    wall = job.starts[j] + (tau - run_before[j])
+    work_at = job.work_before()[j] + job.chips[j] * (tau - run_before[j])
+    if restarts:
+        inc, inc_work, inc_wall = seg, job.work_before()[seg], job.starts[seg]
+        reg_t, reg_inc = job.starts, np.arange(len(job.starts))
+    else:
+        inc, inc_work = np.zeros(len(seg), dtype=np.int64), np.zeros(len(seg))
+        inc_wall = np.full(len(seg), job.starts[0] if len(job.starts) else 0.0)
+        reg_t, reg_inc = job.starts[:1], np.zeros(min(1, len(job.starts)), dtype=np.int64)
+    return wall, inc, work_at - inc_work, offset, inc_wall, reg_t, reg_inc
+
+
+def schedule(cfg: GoodputSimConfig, jobs: list[Activity], step_time_s: float) -> Schedule:
+    parts: list[tuple[np.ndarray, ...]] = []
+    restarts = cfg.learner_mode == "restart"
+    for i, job in enumerate(jobs):
+        # Jitter from its own stream per learner, so the failure trace stays identical
+        # across systems and one learner's draws do not shift another's.
+        rng = np.random.default_rng([cfg.seed, 1, i])
+        wall, inc, work, run_s, inc_wall, reg_t, reg_inc = _offers(
+            job, restarts, cfg.round_period_s, cfg.straggler_cv, rng
+        )
+        n, r = len(wall), len(reg_t)
+        parts.append(
+            (
+                np.r_[reg_t, wall],
+                np.r_[np.zeros(r, bool), np.ones(n, bool)],
+                np.full(r + n, i),
+                np.r_[reg_inc, inc],
+                np.r_[np.zeros(r), work],
+                np.r_[np.zeros(r), run_s / step_time_s].astype(np.int64),
+                np.r_[reg_t, inc_wall],
+            )
+        )
+    cols = [np.concatenate(c) for c in zip(*parts, strict=True)]
+    # Time order; at equal times a registration comes before an offer.
+    order = np.lexsort((cols[1], cols[0]))
+    return Schedule(*(c[order] for c in cols))
+
+
+_COMMIT, _POLL = 0, 1  # events the book's decisions add while the schedule is replayed
+
+
 class DecoupledSim:
     """M learners driving one real RoundBook on the virtual clock (section 5 and 7 rules)."""
 
@@ -190,58 +286,68 @@ class DecoupledSim:
         self.book = RoundBook(round_policy(cfg, m, diloco, sync), 1, sync_time_s=cfg.sync_time_s)
         # A round period is H inner steps: the step time the grace window is computed from.
         self.step_time_s = cfg.round_period_s / diloco.sync_every
-        groups = learner_groups(trace, m)
-        self.chips = [int(trace.slice_chips[lo:hi].sum()) for lo, hi in groups]
-        self.up: list[tuple[np.ndarray, np.ndarray]] = []
-        for lo, hi in groups:
-            mask = trace.of_slices(lo, hi)
-            self.up.append(
-                available(
-                    trace.fail_s[mask],
-                    trace.return_s[mask],
-                    cfg.learner_restart_s,
-                    trace.duration_s,
-                )
-            )
+        slices = groups(trace, learner_bounds(trace, m))
+        self.jobs = [learner_activity(cfg, g) for g in slices]
         self.commits_s: list[float] = []
         self.verdicts: Counter[str] = Counter()
         self.round_sizes: Counter[int] = Counter()  # contributions merged per round
-        self.merged_until: dict[tuple[int, int], float] = {}  # (learner, incarnation) -> time
+        self.merged: dict[tuple[int, int], float] = {}  # (learner, incarnation) -> work
         self.names = [f"learner-{i}" for i in range(m)]
-        self._start = [0.0] * m  # current incarnation's start and end, per learner
-        self._end = [0.0] * m
         self._last_commit = 0.0
-        self._heap: list[tuple[float, int, int, Any, int]] = []  # time, seq, kind, x, inc
+        self._heap: list[tuple[float, int, int, Any]] = []  # time, seq, kind, close
         self._seq = itertools.count()  # ties at equal times go in push order
         self._polls: set[float] = set()  # deadlines already scheduled
-        self._jit: Iterator[float] = iter(())
 
     def run(self) -> SystemResult:
-        """Replay the trace: learners come up, contribute and die; the book closes rounds."""
-        # Jitter comes from its own stream so the failure trace stays identical across systems.
-        self._jit = self._jitter(np.random.default_rng([self.cfg.seed, 1]))
-        for i, (a, _) in enumerate(self.up):
-            if len(a):
-                self._push(float(a[0]), _UP, i, 0)
-        dur, heap, pop = self.trace.duration_s, self._heap, heapq.heappop
-        handlers: dict[int, Callable[[float, Any, int], None]] = {
-            _UP: self._on_up,
-            _OFFER: self._on_offer,
-            _COMMIT: self._on_commit,
-        }
-        while heap:
-            t, _, kind, x, inc = pop(heap)
-            if t >= dur:
-                break
-            if kind == _POLL:
-                self._polls.discard(t)
-                self._poll(t)
-            else:
-                handlers[kind](t, x, inc)
+        """Replay the learners' schedule; the book closes rounds, commits come back as events."""
+        sched = schedule(self.cfg, self.jobs, self.step_time_s)
+        book, names, step_s = self.book, self.names, self.step_time_s
+        heap, verdicts, merged = self._heap, self.verdicts, self.merged
+        dur = self.trace.duration_s
+        for t, is_offer, i, inc, work, steps, inc_start in zip(
+            sched.time_s.tolist(),
+            sched.is_offer.tolist(),
+            sched.learner.tolist(),
+            sched.incarnation.tolist(),
+            sched.work.tolist(),
+            sched.steps.tolist(),
+            sched.inc_start_s.tolist(),
+            strict=True,
+        ):
+            while heap and heap[0][0] <= t:
+                self._pop()
+            name = names[i]
+            if not is_offer:
+                book.register(name, inc, t)
+                book.heartbeat(name, inc, t, step_s)
+                merged.setdefault((i, inc), 0.0)
+                continue
+            # The progress report that comes with an offer doubles as the heartbeat (see
+            # round_policy). The learner's counters restart whenever it adopts a version: at
+            # its start or at the last commit (every live learner gets each published one).
+            # Wall time since then over-counts across a pause, and the book refuses more
+            # steps since the base than the incarnation has taken: capped at those.
+            book.heartbeat(name, inc, t, step_s)
+            new = max(1, min(steps, int((t - max(inc_start, self._last_commit)) / step_s)))
+            version = book.fragments[0].version
+            meta = ContributionMeta(name, inc, 0, version, steps, new, new)
+            # The payload says whose work, up to how much: it comes back in the RoundClose.
+            verdicts[book.offer(meta, t, payload=(i, inc, work))] += 1
+            self._poll(t)
+        while heap and heap[0][0] < dur:
+            self._pop()
         return self._result()
 
-    def _push(self, t: float, kind: int, x: Any, inc: int) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), kind, x, inc))
+    def _push(self, t: float, kind: int, close: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, close))
+
+    def _pop(self) -> None:
+        t, _, kind, close = heapq.heappop(self._heap)
+        if kind == _POLL:
+            self._polls.discard(t)
+        else:
+            self._on_commit(t, close)
+        self._poll(t)
 
     def _poll(self, now: float) -> None:
         """What the synchronizer does after every event: close due rounds, note the deadline."""
@@ -253,83 +359,56 @@ class DecoupledSim:
             return
         closes = book.poll(now)
         for close in closes:
-            self._push(now + self.cfg.sync_time_s, _COMMIT, close, 0)
+            self._push(now + self.cfg.sync_time_s, _COMMIT, close)
         if closes:
             deadline = book.next_deadline()
         if deadline is not None and deadline > now and deadline not in self._polls:
             self._polls.add(deadline)
-            self._push(deadline, _POLL, None, 0)
+            self._push(deadline, _POLL, None)
 
-    def _on_up(self, t: float, i: int, inc: int) -> None:
-        """Incarnation `inc` of learner i starts: it registers and adopts the current version."""
-        starts, ends = self.up[i]
-        self._start[i], self._end[i] = t, float(ends[inc])
-        self.book.register(self.names[i], inc, t)
-        self.book.heartbeat(self.names[i], inc, t, self.step_time_s)
-        self.merged_until[(i, inc)] = t
-        first = t + self.cfg.round_period_s * next(self._jit)
-        if first < self._end[i]:
-            self._push(first, _OFFER, i, inc)
-        if inc + 1 < len(starts):
-            self._push(float(starts[inc + 1]), _UP, i, inc + 1)
-
-    def _on_offer(self, t: float, i: int, inc: int) -> None:
-        """One contribution; its progress report doubles as the heartbeat (see round_policy)."""
-        book, step_s, start = self.book, self.step_time_s, self._start[i]
-        # The learner's counters restart whenever it adopts a version: at its start or at the
-        # last commit (every live learner gets each published version).
-        steps = max(1, int((t - max(start, self._last_commit)) / step_s))
-        book.heartbeat(self.names[i], inc, t, step_s)
-        version = book.fragments[0].version
-        meta = ContributionMeta(
-            self.names[i], inc, 0, version, int((t - start) / step_s), steps, steps
-        )
-        # The payload says whose work up to when: it comes back in the RoundClose.
-        self.verdicts[book.offer(meta, t, payload=(i, inc, t))] += 1
-        nxt = t + self.cfg.round_period_s * next(self._jit)
-        if nxt < self._end[i]:
-            self._push(nxt, _OFFER, i, inc)
-        self._poll(t)
-
-    def _on_commit(self, t: float, close: RoundClose, _: int) -> None:
+    def _on_commit(self, t: float, close: RoundClose) -> None:
         """The merge is done and published: the merged work now belongs to the global model."""
         self.book.commit(close, self.cfg.sync_time_s, t)
         self.commits_s.append(t)
         self.round_sizes[len(close.contributions)] += 1
         self._last_commit = t
-        merged = self.merged_until
+        merged = self.merged
         for c in close.contributions:
-            i, inc, until = c.payload
-            merged[(i, inc)] = max(merged[(i, inc)], until)
-        self._poll(t)
-
-    def _jitter(self, rng: np.random.Generator) -> Iterator[float]:
-        cv = self.cfg.straggler_cv
-        while True:
-            if cv == 0:
-                yield 1.0
-                continue
-            # Lognormal with mean 1 and std/mean = cv: round times stay positive.
-            s = math.sqrt(math.log1p(cv * cv))
-            yield from rng.lognormal(-s * s / 2, s, 65_536).tolist()
+            i, inc, work = c.payload
+            merged[(i, inc)] = max(merged[(i, inc)], work)
 
     def _result(self) -> SystemResult:
         cfg, dur = self.cfg, self.trace.duration_s
-        productive = 0.0
-        for (i, inc), until in self.merged_until.items():
-            productive += self.chips[i] * (until - float(self.up[i][0][inc]))
         chips = int(self.trace.slice_chips.sum())
+        if cfg.learner_mode == "restart":
+            restarts = sum(max(0, len(j.starts) - 1) for j in self.jobs)
+        else:
+            restarts = sum(j.num_stalls for j in self.jobs)
         logger.debug("decoupled M=%d verdicts %s", cfg.num_learners, dict(self.verdicts))
         return SystemResult(
             system="decoupled",
             chips=chips,
             learners=cfg.num_learners,
-            goodput=productive / (chips * dur),
-            uptime=event_uptime(np.asarray(self.commits_s), dur, cfg.uptime_window),
+            goodput=sum(self.merged.values()) / (chips * dur),
+            uptime=quorum_uptime(
+                [(j.starts, j.ends) for j in self.jobs],
+                self.book.policy.quorum_min,
+                dur,
+                cfg.uptime_window_s,
+            ),
             failures=self.trace.num_failures,
-            restarts=len(self.merged_until) - sum(1 for a, _ in self.up if len(a)),
+            restarts=restarts,
             rounds=len(self.commits_s),
         )
+
+
+def decoupled(
+    cfg: GoodputSimConfig,
+    trace: FailureTrace,
+    diloco: DilocoConfig | None = None,
+    sync: SynchronizerConfig | None = None,
+) -> SystemResult:
+    return DecoupledSim(cfg, trace, diloco, sync).run()
 
 
 def simulate(
@@ -343,6 +422,6 @@ def simulate(
     return [
         data_parallel(cfg, trace),
         elastic_dp(cfg, trace),
-        DecoupledSim(cfg, trace, diloco, sync).run(),
+        decoupled(cfg, trace, diloco, sync),
         elastic_per_learner(cfg, trace),
     ]

@@ -1,24 +1,27 @@
-"""Layer: algorithm (pure, no Ray, no JAX). The goodput sweep over cluster sizes and learner
+"""Layer: algorithm (pure, no Ray, no arrays). The goodput sweep over cluster sizes and learner
 counts, its markdown table and its plot (algorithm.md section 10).
 
 One failure trace per cluster size is shared by every system and every learner count, so the
 rows of one size differ only in how the systems react to the same failures. Rows are flat
-dicts (JSON-ready), one per (chips, system, learners).
+dicts (JSON-ready), one per (chips, system, learners), each with the CPU seconds its system
+took on the shared trace and the published figure where one exists.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
 from ray_diloco.sim.goodput_sim import (
-    DecoupledSim,
+    SystemResult,
     data_parallel,
+    decoupled,
     elastic_dp,
     elastic_per_learner,
 )
@@ -29,7 +32,24 @@ logger = logging.getLogger(__name__)
 CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 LEARNERS = (2, 4, 8, 16)
 
+# Published goodput at 1.2M chips (Decoupled DiLoCo, arXiv 2604.21428, and its announcement):
+# data-parallel 27%, elastic data-parallel 58%, and M = 2 / 4 / 8 / 16 learners.
+ANCHOR_CHIPS = 1_200_000
+PUBLISHED: dict[tuple[str, int], float] = {
+    ("data_parallel", 1): 0.27,
+    ("elastic_dp", 1): 0.58,
+    ("decoupled", 2): 0.70,
+    ("decoupled", 4): 0.82,
+    ("decoupled", 8): 0.88,
+    ("decoupled", 16): 0.93,
+}
+
 Row = dict[str, Any]
+
+
+def published(chips: int, system: str, learners: int) -> float | None:
+    """The published goodput of this cell, if there is one."""
+    return PUBLISHED.get((system, learners)) if chips == ANCHOR_CHIPS else None
 
 
 def sweep(
@@ -38,59 +58,77 @@ def sweep(
     learners: Sequence[int] = LEARNERS,
     diloco: DilocoConfig | None = None,
     sync: SynchronizerConfig | None = None,
-) -> list[Row]:
-    """Every system at every cluster size; decoupled and per-learner elastic at every M."""
+) -> tuple[list[Row], dict[str, float]]:
+    """Every system at every cluster size; decoupled and per-learner elastic at every M.
+
+    Returns the rows and where the CPU time went (seconds per part, summed over sizes)."""
     rows: list[Row] = []
+    profile: defaultdict[str, float] = defaultdict(float)
+
+    def timed(part: str, system: Callable[..., SystemResult], *args: Any) -> None:
+        t0 = time.process_time()
+        res = system(*args)
+        cpu = time.process_time() - t0
+        profile[part] += cpu
+        pub = published(res.chips, res.system, res.learners)
+        rows.append({**asdict(res), "published": pub, "cpu_s": cpu})
+
     for n in chips:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         base = cfg.model_copy(update={"chips": n})
         trace = make_trace(base)
-        found = [data_parallel(base, trace), elastic_dp(base, trace)]
+        profile["trace"] += time.process_time() - t0
+        timed("data_parallel", data_parallel, base, trace)
+        timed("elastic_dp", elastic_dp, base, trace)
         for m in learners:
             # model_copy skips validation: clip K so a small M still has a reachable quorum.
             c = base.model_copy(update={"num_learners": m, "quorum_min": min(cfg.quorum_min, m)})
-            found.append(DecoupledSim(c, trace, diloco, sync).run())
-            found.append(elastic_per_learner(c, trace))
-        rows.extend(asdict(r) for r in found)
-        logger.info(
-            "sweep: %d chips, %d failures, %.1fs", n, trace.num_failures, time.perf_counter() - t0
-        )
-    return rows
+            timed("decoupled", decoupled, c, trace, diloco, sync)
+            timed("elastic_dp_per_learner", elastic_per_learner, c, trace)
+        logger.info("sweep: %d chips, %d failures", n, trace.num_failures)
+    return rows, dict(profile)
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _columns(rows: Sequence[Row]) -> list[tuple[str, int]]:
+def columns(rows: Sequence[Row]) -> list[tuple[str, int]]:
+    """(system, learners) of the table's columns: the two baselines, then decoupled per M."""
     cols = [("data_parallel", 1), ("elastic_dp", 1)]
     ms = sorted({r["learners"] for r in rows if r["system"] == "decoupled"})
     return cols + [("decoupled", m) for m in ms]
 
 
-def _label(system: str, m: int) -> str:
+def label(system: str, m: int) -> str:
     return {"data_parallel": "data-parallel", "elastic_dp": "elastic DP"}.get(
         system, f"decoupled M={m}"
     )
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """Markdown: goodput (uptime) per system and cluster size, then decoupled M learners on N
-    chips against elastic data-parallel on N/M chips (same trace, each learner's slices)."""
+    """Markdown: goodput (uptime) per system and cluster size, the published figure in
+    brackets; then decoupled M learners on N chips against elastic data-parallel on N/M chips
+    (same trace, each learner's slices)."""
     idx = {(r["chips"], r["system"], r["learners"]): r for r in rows}
     chips = sorted({r["chips"] for r in rows})
-    cols = _columns(rows)
+    cols = columns(rows)
     lines = [
-        "Goodput (uptime) per system",
+        "Goodput (uptime) per system; [published goodput]",
         "",
-        "| chips | " + " | ".join(_label(s, m) for s, m in cols) + " |",
+        "| chips | " + " | ".join(label(s, m) for s, m in cols) + " |",
         "|---:|" + "---:|" * len(cols),
     ]
     for n in chips:
         cells = []
         for s, m in cols:
             r = idx.get((n, s, m))
-            cells.append("-" if r is None else f"{_pct(r['goodput'])} ({_pct(r['uptime'])})")
+            if r is None:
+                cells.append("-")
+                continue
+            pub = published(n, s, m)
+            anchor = f" [{pub:.0%}]" if pub is not None else ""
+            cells.append(f"{_pct(r['goodput'])} ({_pct(r['uptime'])}){anchor}")
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
     pairs = [(n, m) for n in chips for s, m in cols if s == "decoupled" and (n, s, m) in idx]
     pairs = [p for p in pairs if (p[0], "elastic_dp_per_learner", p[1]) in idx]
@@ -112,30 +150,48 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[Row], path: str | Path) -> Path:
-    """PNG of goodput against chips: one line per decoupled M and the two baselines."""
+def plot(rows: Sequence[Row], path: str | Path, title: str) -> Path:
+    """PNG of goodput against chips: one line per decoupled M and the two baselines, the
+    published figures as stars in the line's colour."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: runs headless in CI and on cluster heads
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s, m in _columns(rows):
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    for s, m in columns(rows):
         pts = sorted(
             (r["chips"], r["goodput"]) for r in rows if r["system"] == s and r["learners"] == m
         )
         style = "--" if s != "decoupled" else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=_label(s, m))
+        (line,) = ax.plot(
+            [p[0] for p in pts], [100 * p[1] for p in pts], style, marker="o", label=label(s, m)
+        )
+        pub = PUBLISHED.get((s, m))
+        if pub is not None:
+            ax.plot(
+                ANCHOR_CHIPS, 100 * pub, "*", ms=14, color=line.get_color(), mec="black", mew=0.8
+            )
     ax.set_xscale("log")
     chips = sorted({r["chips"] for r in rows})
     ax.set_xticks(chips, labels=[f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k" for n in chips])
     ax.minorticks_off()
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("chips")
-    ax.set_ylabel("goodput")
-    ax.set_title("Goodput under the same failure trace")
+    ax.set_ylim(-2, 102)  # a line at 0 stays visible above the axis
+    ax.set_xlabel("chips in the cluster")
+    ax.set_ylabel("goodput (%)")
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    star = Line2D([], [], ls="", marker="*", ms=12, color="white", mec="black", mew=0.8)
+    handles, labels = ax.get_legend_handles_labels()
+    # Outside the axes, so that it hides no line (data-parallel runs along 0 under slow repair).
+    ax.legend(
+        [*handles, star],
+        [*labels, "published, 1.2M chips"],
+        fontsize=8,
+        loc="center left",
+        bbox_to_anchor=(1.01, 0.5),
+    )
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

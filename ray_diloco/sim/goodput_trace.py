@@ -1,21 +1,27 @@
-"""Layer: algorithm (pure, no Ray, no JAX). Failure traces and interval algebra for the goodput
-simulator (algorithm.md section 10).
+"""Layer: algorithm (pure, no Ray, no JAX). Failure traces, stalls and uptime windows for the
+goodput simulator (algorithm.md section 10).
 
 A cluster of N chips is cut into slices of `chips_per_slice` (the unit that fails and is
 replaced; the last slice holds the remainder). Each slice alternates between up and down: its
 up times are exponential with rate `slice_chips / (mtbi_chip_days * 86400)` (chips fail as
 independent Poisson processes, and the minimum of independent exponentials is exponential with
 the summed rate), its down times are drawn from the recovery distribution. A down slice cannot
-fail again. The whole trace comes from one seeded numpy Generator, once per cluster, and every
-system reads the same trace, so the systems differ only in how they react to it.
+fail again. The whole trace comes from one seeded numpy Generator, once per cluster, drawn in
+blocks of cycles for all slices at once (a few tens of ms for 2.4M chips), and every system
+reads the same trace, so the systems differ only in how they react to it.
+
+The "recovery" of a slice is the time until the job has a working slice in its place again:
+with hot spares (the default) a swap, not a repair; the repair of the failed unit then happens
+off the job's critical path.
 
 Recovery distributions, each set by its median so that switching the family keeps the typical
 delay and changes only the tail:
-- `lognormal` (default): median `recovery_median_s`, shape `recovery_sigma`. Repair and
-  replacement of failed hardware is heavy-tailed: most units come back quickly, a few wait for
-  parts or a technician for hours. In the failure logs of Los Alamos HPC systems (Schroeder and
-  Gibson, "A large-scale study of failures in high-performance computing systems", DSN 2006)
-  repair times are well modeled by a lognormal distribution.
+- `lognormal` (default): median `recovery_median_s`, shape `recovery_sigma`. Repair of failed
+  hardware is heavy-tailed: most units come back quickly, a few wait for parts or a technician
+  for hours. In the failure logs of Los Alamos HPC systems (Schroeder and Gibson, "A
+  large-scale study of failures in high-performance computing systems", DSN 2006) repair
+  times are well modeled by a lognormal distribution; a scripted swap from a spare pool has a
+  narrower spread (a smaller sigma).
 - `exponential`: mean `recovery_median_s / ln 2`. Memoryless; used for closed-form checks.
 - `pareto`: tail index `recovery_sigma` (> 1 for a finite mean), scale chosen so the median is
   `recovery_median_s`. The heaviest tail: a power law.
@@ -67,7 +73,7 @@ class FailureTrace:
 
     duration_s: float
     slice_chips: np.ndarray  # chips in each slice (int64)
-    fail_s: np.ndarray  # failure times, sorted per slice
+    fail_s: np.ndarray  # failure times, sorted (so every subset of slices is sorted too)
     return_s: np.ndarray  # when that slice is up again (may lie past duration_s)
     slice_id: np.ndarray  # which slice failed
 
@@ -79,9 +85,13 @@ class FailureTrace:
     def num_failures(self) -> int:
         return len(self.fail_s)
 
-    def of_slices(self, lo: int, hi: int) -> np.ndarray:
-        """Mask of the failures of slices [lo, hi) (a learner's contiguous group)."""
-        return (self.slice_id >= lo) & (self.slice_id < hi)
+    def split(self, bounds: list[int]) -> list[np.ndarray]:
+        """Indices of the failures of each group of slices [bounds[k], bounds[k+1]), in time
+        order: one sort for all groups instead of a pass over the trace per group."""
+        group = np.searchsorted(np.asarray(bounds), self.slice_id, side="right") - 1
+        order = np.argsort(group, kind="stable")  # stable: time order within each group
+        cuts = np.searchsorted(group[order], np.arange(1, len(bounds) - 1))
+        return np.split(order, cuts)
 
 
 def slice_sizes(chips: int, chips_per_slice: int) -> np.ndarray:
@@ -118,62 +128,96 @@ def make_trace(cfg: GoodputSimConfig, chips: int | None = None) -> FailureTrace:
     fail = cycle_end - down
     keep = fail < duration
     slice_id = np.broadcast_to(np.arange(len(sizes))[:, None], fail.shape)[keep]
-    trace = FailureTrace(duration, sizes, fail[keep], cycle_end[keep], slice_id)
+    fail, back = fail[keep], cycle_end[keep]
+    order = np.argsort(fail, kind="stable")
+    trace = FailureTrace(duration, sizes, fail[order], back[order], slice_id[order])
     logger.debug("trace: %d slices, %d failures", trace.num_slices, trace.num_failures)
     return trace
 
 
-# -- interval algebra -----------------------------------------------------------------------
+# -- stalls and windows ---------------------------------------------------------------------
 
 
-def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge intervals [start, end) into sorted disjoint ones."""
-    if len(starts) == 0:
-        return starts, ends
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    # A new merged interval begins where a start lies beyond everything reached before it.
-    new = np.ones(len(s), dtype=bool)
-    new[1:] = s[1:] > reach[:-1]
-    first = np.flatnonzero(new)
-    last = np.r_[first[1:] - 1, len(s) - 1]
-    return s[first], reach[last]
-
-
-def available(
-    fail_s: np.ndarray, return_s: np.ndarray, restart_s: float, duration_s: float
+def stalls(
+    fail_s: np.ndarray, return_s: np.ndarray, cost_s: float, duration_s: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Intervals in which a job that needs every one of these slices is running.
+    """Intervals [start, end) in which a job that needs these slices is stopped.
 
-    The job is stopped from a failure until the failed slice is back plus `restart_s`; a
-    failure during a restart stops it again and the restart begins anew once all slices are
-    back. So the stopped set is exactly the union of [fail, return + restart_s), and the job
-    runs on its complement. The job starts at time 0 without a restart.
+    A failure while the job runs stops it until the failed slice is back, plus `cost_s` once
+    (a restart or a re-mesh). A failure while it is already stopped adds no cost of its own:
+    its slice is swapped in parallel with the stall under way and joins the same restart, so
+    the stall only lasts longer if that slice comes back after the stall would have ended.
+    This is why goodput falls like 1 / (1 + lambda d) with d the cost of one failure, not like
+    exp(-lambda d) as it would if every failure restarted the recovery. `fail_s` must be
+    sorted; pass `return_s = fail_s` for a job that does not wait for the slice (a re-mesh onto
+    the healthy ones). Ends are clipped to `duration_s`.
     """
-    down_s, down_e = union(fail_s, np.minimum(return_s + restart_s, duration_s))
-    starts = np.r_[0.0, down_e]
-    ends = np.r_[down_s, duration_s]
+    starts: list[float] = []
+    ends: list[float] = []
+    end = -math.inf
+    # Sequential by nature (whether a failure starts a stall depends on the previous ones);
+    # a plain loop over Python floats costs ~0.2 us per failure.
+    for f, r in zip(fail_s.tolist(), return_s.tolist(), strict=True):
+        if f >= end:
+            end = r + cost_s
+            starts.append(f)
+            ends.append(end)
+        elif r > end:
+            end = r
+            ends[-1] = end
+    return np.asarray(starts, dtype=float), np.minimum(np.asarray(ends, dtype=float), duration_s)
+
+
+def complement(
+    starts: np.ndarray, ends: np.ndarray, duration_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The running intervals of [0, duration) around sorted disjoint stalls [start, end)."""
+    a = np.r_[0.0, ends]
+    b = np.r_[starts, duration_s]
+    keep = b > a
+    return a[keep], b[keep]
+
+
+def windows_touched(
+    starts: np.ndarray, ends: np.ndarray, window_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The windows [k W, (k+1) W) that sorted disjoint intervals [start, end) overlap, as
+    disjoint ranges of window indices [first, stop)."""
     keep = ends > starts
-    return starts[keep], ends[keep]
+    first = np.floor(starts[keep] / window_s).astype(np.int64)
+    stop = np.ceil(ends[keep] / window_s).astype(np.int64)  # one past the last window touched
+    if len(first) == 0:
+        return first, stop
+    # Neighbouring intervals may touch the same window: merge ranges that overlap or abut.
+    new = np.r_[True, first[1:] > stop[:-1]]
+    head = np.flatnonzero(new)
+    return first[head], np.maximum.reduceat(stop, head)
+
+
+def num_windows(duration_s: float, window_s: float) -> int:
+    return max(1, math.ceil(duration_s / window_s))
 
 
 def window_uptime(
     starts: np.ndarray, ends: np.ndarray, duration_s: float, window_s: float
 ) -> float:
     """Fraction of windows [k W, (k+1) W) that overlap at least one interval [start, end)."""
-    num = max(1, math.ceil(duration_s / window_s))
-    keep = ends > starts
-    first = np.floor(starts[keep] / window_s).astype(np.int64)
-    stop = np.ceil(ends[keep] / window_s).astype(np.int64)  # one past the last window touched
-    cover = np.zeros(num + 1, dtype=np.int64)
-    np.add.at(cover, np.minimum(first, num), 1)
-    np.add.at(cover, np.minimum(stop, num), -1)
-    return float(np.count_nonzero(np.cumsum(cover)[:num] > 0)) / num
+    first, stop = windows_touched(starts, ends, window_s)
+    return float((stop - first).sum()) / num_windows(duration_s, window_s)
 
 
-def event_uptime(times: np.ndarray, duration_s: float, window_s: float) -> float:
-    """Fraction of windows that contain at least one event (a commit of the global model)."""
-    num = max(1, math.ceil(duration_s / window_s))
-    idx = np.floor(np.asarray(times) / window_s).astype(np.int64)
-    return float(len(np.unique(idx[(idx >= 0) & (idx < num)]))) / num
+def quorum_uptime(
+    jobs: list[tuple[np.ndarray, np.ndarray]], quorum: int, duration_s: float, window_s: float
+) -> float:
+    """Fraction of windows in which at least `quorum` of the jobs' interval sets overlap."""
+    ranges = [windows_touched(a, b, window_s) for a, b in jobs]
+    at = np.concatenate([r[0] for r in ranges] + [r[1] for r in ranges])
+    step = np.concatenate(
+        [np.ones(len(r[0]), np.int64) for r in ranges]
+        + [-np.ones(len(r[1]), np.int64) for r in ranges]
+    )
+    order = np.argsort(at, kind="stable")
+    at, count = at[order], np.cumsum(step[order])
+    # After the k-th boundary `count[k]` jobs are up until the next boundary.
+    held = np.diff(at) * (count[:-1] >= quorum)
+    return float(held.sum()) / num_windows(duration_s, window_s)

@@ -34,10 +34,10 @@ def failure_times(cfg: RunConfig, horizon_s: float) -> list[tuple[float, int]]:
     return [(a.at_s, names.index(a.target)) for a in actions if a.kind in DEADLY and a.target]
 
 
-def horizon(cfg: RunConfig) -> float:
+def horizon(cfg: RunConfig, tokens_per_example: int) -> float:
     """A generous bound on the run's virtual length, for drawing random failures."""
     tokens_per_s = sum(
-        lg.batch_size * cfg.model.seq_len * lg.speed / cfg.step_time_s for lg in cfg.learners
+        lg.batch_size * tokens_per_example * lg.speed / cfg.step_time_s for lg in cfg.learners
     )
     return 4.0 * cfg.token_budget / tokens_per_s + 10 * cfg.chaos.restart_s
 
@@ -71,5 +71,6 @@ class DataParallelCheckpoint:
         """Roll `core` back; returns the number of steps that must be redone."""
         redo = core.step - self.step
         core.params, core.opt_state = dict(self.params), self.opt_state
-        core.cursor, core.step = self.cursor, self.step
+        core.seek(self.cursor)
+        core.step = self.step
         return redo

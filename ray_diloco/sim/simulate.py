@@ -11,63 +11,26 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm import inner, links
+from ray_diloco.algorithm import links
 from ray_diloco.algorithm.downstream import Message
-from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.setup import Setup, tokens_per_step
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.algorithm.wire import decode_tree
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 from ray_diloco.sim import sim_faults
-from ray_diloco.tasks import byte_corpus as data
-from ray_diloco.tasks import transformer as model
 
 Progress = Callable[[dict[str, Any]], None]
 NUM_EVALS = 10  # held-out evaluations of the global parameters over a run
 UPTIME_WINDOW_STEPS = 20  # the global model is "up" in a window of this many inner steps
 # when it advanced at least once in it (algorithm.md section 9)
-
-
-@dataclass
-class Setup:
-    """What every run of a config shares: data, initial parameters, fragments, evaluation."""
-
-    cfg: RunConfig
-    corpus: data.Corpus
-    init: dict[str, Any]
-    plan: FragmentPlan
-    eval_fn: Callable[..., Any]
-    heldout: list[tuple[np.ndarray, np.ndarray]]
-
-    @classmethod
-    def build(cls, cfg: RunConfig) -> Setup:
-        corpus = data.load_corpus(cfg.data, cfg.seed)
-        init = model.init_params(cfg.model, cfg.seed)
-        plan = fragment_plan(cfg)
-        heldout = data.heldout_batches(corpus, cfg.data, cfg.model.seq_len)
-        return cls(cfg, corpus, init, plan, inner.make_eval_fn(cfg.model), heldout)
-
-    def evaluate(self, params: dict[str, Any]) -> float:
-        return inner.evaluate(self.eval_fn, params, self.heldout)
-
-    def param_bytes(self) -> int:
-        return 4 * model.num_params(self.init)
-
-
-def fragment_plan(cfg: RunConfig) -> FragmentPlan:
-    """The run's fragments (algorithm.md section 3), from the model's leaf shapes alone."""
-    shapes = model.param_shapes(cfg.model)
-    embedding = [k for k in shapes if model.is_embedding(k)]
-    sizes = {k: math.prod(shape) for k, shape in shapes.items()}
-    return plan_fragments(sizes, cfg.diloco.num_fragments, embedding)
 
 
 def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:
@@ -97,6 +60,8 @@ class _Sim:
     queue: list[tuple[float, int, str, Any]] = field(default_factory=list)
     seq: itertools.count = field(default_factory=itertools.count)
     evals: list[dict[str, float]] = field(default_factory=list)
+    num_evals: int = NUM_EVALS
+    final_params: dict[str, Any] = field(default_factory=dict)  # the last evaluated
 
     def push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, payload))
@@ -104,61 +69,100 @@ class _Sim:
     def eval_point(self, t: float, tokens: int, params: dict[str, Any], **extra: Any) -> None:
         point = {"t": t, "tokens": tokens, "heldout_loss": self.setup.evaluate(params), **extra}
         self.evals.append(point)
+        self.final_params = params
         if self.progress:
             self.progress(point)
 
 
 def run_reference(
-    cfg: RunConfig, progress: Progress | None = None, setup: Setup | None = None
+    cfg: RunConfig,
+    progress: Progress | None = None,
+    setup: Setup | None = None,
+    num_evals: int = NUM_EVALS,
 ) -> dict[str, Any]:
-    """Run `cfg` in process and return its summary (see `summarize`)."""
-    setup = setup or Setup.build(cfg)
-    if cfg.diloco.mode == "data_parallel":
-        return _run_data_parallel(setup, progress)
-    return _run_diloco(setup, progress)
+    """Run `cfg` in process and return its summary (see `summarize_diloco`); the global
+    parameters are evaluated `num_evals` times over the token budget (and at the end)."""
+    return reference_run(cfg, progress, setup, num_evals)[0]
 
 
-def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
+def reference_run(
+    cfg: RunConfig,
+    progress: Progress | None = None,
+    setup: Setup | None = None,
+    num_evals: int = NUM_EVALS,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`run_reference`'s summary and the final global parameters (a flat dict)."""
+    sim = _Sim(setup or Setup.build(cfg), progress, num_evals=num_evals)
+    summary = _run_data_parallel(sim) if cfg.diloco.mode == "data_parallel" else _run_diloco(sim)
+    return summary, sim.final_params
+
+
+@dataclass
+class _Learner:
+    """One learner of the reference run: its core and its virtual-clock bookkeeping."""
+
+    cfg: LearnerGroupConfig
+    core: LearnerCore
+    clock: StepClock
+    start_s: float = 0.0  # when it joined: its allocation starts there
+    blocked: bool = False
+    busy_s: float = 0.0  # seconds of completed inner steps: the productive time
+    done_s: float = 0.0  # when it last completed a step
+    alive: bool = True
+    left: bool = False
+    epoch: int = 0  # bumped on failure: the dead process's pending step is void
+    lost_s: float = 0.0
+
+
+def _run_diloco(sim: _Sim) -> dict[str, Any]:
+    setup = sim.setup
     cfg = setup.cfg
-    sim = _Sim(setup, progress)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
-    snapshot = sync.snapshot()
-    learners = [
-        LearnerCore(
-            cfg,
-            lg,
-            setup.plan,
-            snapshot,
-            setup.corpus.train,
-            shard_index=i,
-            num_shards=cfg.num_learners,
-        )
-        for i, lg in enumerate(cfg.learners)
-    ]
-    clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
-    blocked = [False] * len(learners)
-    busy = [0.0] * len(learners)  # seconds of completed inner steps: the productive time
-    done_s = [0.0] * len(learners)  # when each learner last completed a step
     polls: set[float] = set()
     wan = links.LinkEmulator(cfg.links)
-    alive = [True] * len(learners)
-    epoch = [0] * len(learners)  # bumped on failure: the dead process's pending step is void
-    lost_s = [0.0] * len(learners)
     round_times: list[float] = []
     struck: list[float] = []  # when a failure hit a live learner (plots mark them)
-    for i, lg in enumerate(cfg.learners):
-        sync.register(lg.name, 0, 0.0)
-        dt = clocks[i].next()
-        sim.push(dt, "step", (i, dt, 0))
-    for t, i in sim_faults.failure_times(cfg, sim_faults.horizon(cfg)):
+    learners: list[_Learner] = []
+    index: dict[str, int] = {}
+    booting: set[str] = set()  # scheduled joiners not registered yet
+
+    def admit(lg: LearnerGroupConfig, incarnation: int, t: float) -> LearnerCore:
+        a = sync.register(lg.name, incarnation, t, tokens_per_step=tokens_per_step(setup.task, lg))
+        return LearnerCore(
+            cfg,
+            lg,
+            setup.task,
+            setup.layout,
+            setup.plan,
+            sync.snapshot(),
+            incarnation=incarnation,
+            leases=a.leases,
+            offset=a.offset,
+            cursor=a.cursor,
+            num_parts=cfg.data_parts,
+        )
+
+    def join(lg: LearnerGroupConfig, t: float, booted_s: float = 0.0) -> None:
+        """`lg` registers at `t` after booting for `booted_s` (allocated from then on)."""
+        i = len(learners)
+        index[lg.name] = i
+        clock = StepClock(cfg, lg, i)
+        learners.append(_Learner(lg, admit(lg, 0, t), clock, start_s=t - booted_s))
+        dt = clock.next()
+        sim.push(t + dt, "step", (i, dt, 0))
+
+    for lg in cfg.learners:
+        join(lg, 0.0)
+    horizon = sim_faults.horizon(cfg, setup.task.data.tokens_per_example)
+    for t, i in sim_faults.failure_times(cfg, horizon):
         sim.push(t, "fail", i)
-    next_eval, eval_every = 0, max(1, cfg.token_budget // NUM_EVALS)
+    for change in cfg.elastic.schedule:
+        sim.push(change.at_s, "membership", change)
+    next_eval, eval_every = 0, max(1, cfg.token_budget // sim.num_evals)
     now = 0.0
 
-    index = {lg.name: i for i, lg in enumerate(cfg.learners)}
-
     def send(j: int, msg: Message, t: float) -> None:
-        lg = cfg.learners[j]
+        lg = learners[j].cfg
         sync.sent(lg.name, msg.nbytes)
         arrive = wan.arrival(lg.region, "down", msg.nbytes, t)
         sim.push(arrive, "publish", (j, msg))
@@ -166,7 +170,8 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             round_times.append(t)
-            for name, msg in sync.messages(pub, sync.recipients(pub, index)).items():
+            live = [n for n, j in index.items() if not learners[j].left]
+            for name, msg in sync.messages(pub, sync.recipients(pub, live)).items():
                 send(index[name], msg, t + pub.sync_time_s)
         deadline = sync.book.next_deadline()
         if deadline is not None and deadline > t and deadline not in polls:
@@ -174,34 +179,39 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             sim.push(deadline, "poll", None)
 
     def step_boundary(i: int, t: float) -> None:
-        core = learners[i]
-        core.apply_received()
-        if core.blocked_on():
-            blocked[i] = True
+        ln = learners[i]
+        ln.core.apply_received()
+        if ln.core.blocked_on():
+            ln.blocked = True
             return
-        blocked[i] = False
-        dt = clocks[i].next()
-        sim.push(t + dt, "step", (i, dt, epoch[i]))
+        ln.blocked = False
+        dt = ln.clock.next()
+        sim.push(t + dt, "step", (i, dt, ln.epoch))
+
+    def offer(ln: _Learner, offers: list[Any], t: float) -> None:
+        for meta, delta in offers:
+            nbytes = sum(e.nbytes for e in delta.values())
+            sim.push(wan.arrival(ln.cfg.region, "up", nbytes, t), "arrive", (meta, delta))
 
     while sim.queue and sync.ledger.tokens_trained < cfg.token_budget:
         now, _, kind, payload = heapq.heappop(sim.queue)
         if kind == "step":
             i, dt, ep = payload
-            if ep != epoch[i]:
-                continue  # the process that was taking this step died
-            busy[i] += dt
-            done_s[i] = now
-            core, lg = learners[i], cfg.learners[i]
+            ln = learners[i]
+            if ep != ln.epoch or ln.left:
+                continue  # the process that was taking this step died, or left
+            ln.busy_s += dt
+            ln.done_s = now
+            core = ln.core
             core.train_step(*core.next_batch())
-            sync.report(lg.name, core.incarnation, now, dt, core.cursor)
-            for meta, delta in core.offers():
-                nbytes = sum(e.nbytes for e in delta.values())
-                sim.push(wan.arrival(lg.region, "up", nbytes, now), "arrive", (meta, delta))
+            leases = sync.report(ln.cfg.name, core.incarnation, now, dt, core.cursor)
+            core.reader.add(leases or [])
+            offer(ln, core.offers(), now)
             step_boundary(i, now)
         elif kind == "arrive":
             meta, delta = payload
             newest = sync.catch_up(meta, sync.offer(meta, delta, now))
-            if newest is not None:
+            if newest is not None and not learners[index[meta.learner]].left:
                 send(index[meta.learner], newest, now)
             close_rounds(now)
         elif kind == "poll":
@@ -209,45 +219,57 @@ def _run_diloco(setup: Setup, progress: Progress | None) -> dict[str, Any]:
             close_rounds(now)
         elif kind == "publish":
             j, msg = payload
-            if not alive[j]:
+            ln = learners[j]
+            if not ln.alive or ln.left:
                 continue  # a learner that is down gets the latest version when it comes back
-            learners[j].receive(msg.fragment, msg.version, decode_tree(msg.encoded), msg.base)
-            if blocked[j]:
+            ln.core.receive(msg.fragment, msg.version, decode_tree(msg.encoded), msg.base)
+            if ln.blocked:
                 step_boundary(j, now)
-        elif kind == "fail" and alive[payload]:
-            i = payload
+        elif kind == "fail" and payload < len(learners) and learners[payload].alive:
+            ln = learners[payload]
+            if ln.left:
+                continue
             struck.append(now)
-            alive[i], blocked[i] = False, False
-            epoch[i] += 1
-            lost_s[i] += sim_faults.lost_steps(learners[i]) * clocks[i].base
-            sim.push(now + cfg.chaos.restart_s, "restart", i)
+            ln.alive, ln.blocked = False, False
+            ln.epoch += 1
+            ln.lost_s += sim_faults.lost_steps(ln.core) * ln.clock.base
+            sim.push(now + cfg.chaos.restart_s, "restart", payload)
         elif kind == "restart":
-            i, lg = payload, cfg.learners[payload]
-            incarnation = learners[i].incarnation + 1
-            learners[i] = LearnerCore(
-                cfg,
-                lg,
-                setup.plan,
-                sync.snapshot(),
-                setup.corpus.train,
-                incarnation=incarnation,
-                cursor=sync.ledger.resume_cursor(lg.name),
-                shard_index=i,
-                num_shards=cfg.num_learners,
-            )
-            sync.register(lg.name, incarnation, now)
-            alive[i] = True
-            step_boundary(i, now)
+            ln = learners[payload]
+            if ln.left:
+                continue
+            ln.core = admit(ln.cfg, ln.core.incarnation + 1, now)
+            ln.alive = True
+            step_boundary(payload, now)
+        elif kind == "booted":
+            if payload.name in booting:  # (a leave during its boot cancelled it)
+                booting.discard(payload.name)
+                join(payload, now, booted_s=cfg.chaos.restart_s)
+        elif kind == "membership":
+            if payload.join is not None:  # it boots and compiles, then registers
+                booting.add(payload.join.name)
+                sim.push(now + cfg.chaos.restart_s, "booted", payload.join)
+            elif payload.leave in booting:
+                booting.discard(payload.leave)  # it leaves before it ever trained
+            else:
+                # A graceful leave: the learner offers every fragment it has unsent work on,
+                # leaves the quorum and gives its unread data back to the pool.
+                ln = learners[index[payload.leave]]
+                if ln.alive:
+                    offer(ln, ln.core.final_offers(), now)
+                ln.left, ln.done_s = True, now if ln.alive else ln.done_s
+                sync.leave(ln.cfg.name, now)
+                close_rounds(now)
         tokens = sync.ledger.tokens_trained
         if tokens >= next_eval:
             sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
             next_eval += eval_every
     sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
-    summary = summarize_diloco(setup, sync, learners, sim.evals, now)
+    summary = summarize_diloco(setup, sync, [ln.core for ln in learners], sim.evals, now)
     lost = _lost_fraction(sync)
-    # A learner that is down at the end was allocated until the end.
-    until = [d if up else now for d, up in zip(done_s, alive, strict=True)]
-    productive = [b - x for b, x in zip(busy, lost_s, strict=True)]
+    # A learner that is down at the end was allocated until the end; one that left, until then.
+    until = [(ln.done_s if ln.alive or ln.left else now) - ln.start_s for ln in learners]
+    productive = [ln.busy_s - ln.lost_s for ln in learners]
     return summary | {
         "work_lost_fraction": lost,
         "goodput": _goodput(productive, until) * (1 - lost),
@@ -261,27 +283,26 @@ def _rounds(sync: SynchronizerCore) -> int:
     return sum(sync.book.versions().values())
 
 
-def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any]:
+def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
     """One learner spanning all hosts: every step waits for the slowest host, then all-reduces
     the gradients (2 x parameter bytes per host per step, ring all-reduce)."""
+    setup = sim.setup
     cfg = setup.cfg
-    sim = _Sim(setup, progress)
     whole = LearnerGroupConfig(
         name="data_parallel", batch_size=sum(lg.batch_size for lg in cfg.learners)
     )
-    core = LearnerCore(
-        cfg,
-        whole,
-        setup.plan,
-        _full_snapshot(setup),
-        setup.corpus.train,
-    )
-    clocks = [StepClock(cfg, lg, i) for i, lg in enumerate(cfg.learners)]
+    core = LearnerCore(cfg, whole, setup.task, setup.layout, setup.plan, _full_snapshot(setup))
+    # The hosts by name: the configured learners', and those of `elastic.schedule` joins, which
+    # the job takes in by re-meshing (a pause) and then shares its fixed global batch with.
+    hosts = {lg.name: (lg, StepClock(cfg, lg, i)) for i, lg in enumerate(cfg.learners)}
+    changes = sorted(cfg.elastic.schedule, key=lambda c: c.at_s)
     allreduce_bytes = 2 * setup.param_bytes()
     comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
-    now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // NUM_EVALS)
-    busy = [0.0] * len(clocks)
-    failures = [t for t, _ in sim_faults.failure_times(cfg, sim_faults.horizon(cfg))]
+    now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // sim.num_evals)
+    busy = 0.0  # host-seconds of steps
+    allocated = 0.0  # host-seconds the job held
+    horizon = sim_faults.horizon(cfg, setup.task.data.tokens_per_example)
+    failures = [t for t, _ in sim_faults.failure_times(cfg, horizon)]
     ckpt = sim_faults.DataParallelCheckpoint.take(core)
     busy_at_ckpt, lost = 0.0, 0.0
     struck: list[float] = []  # when a failure stopped the job
@@ -291,25 +312,40 @@ def _run_data_parallel(setup: Setup, progress: Progress | None) -> dict[str, Any
             # One host down stops the whole job: restart, roll back to the last checkpoint and
             # redo the steps since; failures while it is down hit nothing new.
             struck.append(failures[0])
-            lost += sum(busy) - busy_at_ckpt
-            busy_at_ckpt = sum(busy)
+            lost += busy - busy_at_ckpt
+            busy_at_ckpt = busy
             ckpt.restore(core)
+            allocated += len(hosts) * cfg.chaos.restart_s
             now += cfg.chaos.restart_s
             failures = [t for t in failures if t > now]
+        if changes and changes[0].at_s <= now:
+            while changes and changes[0].at_s <= now:  # every change due: one re-mesh
+                change = changes.pop(0)
+                if change.join is not None:
+                    hosts[change.join.name] = (change.join, StepClock(cfg, change.join, len(hosts)))
+                elif change.leave is not None:
+                    hosts.pop(change.leave, None)
+            # A re-mesh pauses the whole job (new collectives, a recompiled step).
+            allocated += len(hosts) * cfg.elastic.remesh_steps * cfg.step_time_s
+            now += cfg.elastic.remesh_steps * cfg.step_time_s
         core.train_step(*core.next_batch())
-        times = [c.next() for c in clocks]
-        busy = [b + t for b, t in zip(busy, times, strict=True)]
-        now += max(times) + comm
+        # The global batch is split over the hosts by their batch sizes: more hosts, less each.
+        share = whole.batch_size / sum(lg.batch_size for lg, _ in hosts.values())
+        times = [clock.next() * share for _, clock in hosts.values()]
+        busy += sum(times)
+        step = max(times) + comm
+        allocated += len(hosts) * step
+        now += step
         step_times.append(now)
         if core.step % cfg.chaos.dp_checkpoint_every_steps == 0:
-            ckpt, busy_at_ckpt = sim_faults.DataParallelCheckpoint.take(core), sum(busy)
+            ckpt, busy_at_ckpt = sim_faults.DataParallelCheckpoint.take(core), busy
         if core.cursor >= next_eval:
             sim.eval_point(now, core.cursor, core.params)
             next_eval += eval_every
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
     return {
-        "goodput": _goodput([sum(busy) - lost], [now * len(busy)]),
+        "goodput": _goodput([busy - lost], [allocated]),
         "uptime": uptime(step_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,
@@ -351,7 +387,7 @@ def _common_summary(setup: Setup, evals: list[dict[str, float]], now: float) -> 
         "mode": cfg.diloco.mode,
         "heldout_loss": evals[-1]["heldout_loss"],
         "virtual_time_s": now,
-        "num_params": model.num_params(setup.init),
+        "num_params": setup.num_params(),
         "evals": evals,
     }
 
@@ -366,7 +402,9 @@ def summarize_diloco(
     cfg = setup.cfg
     tokens = sync.ledger.tokens_trained
     moved = sum(sync.bytes_up.values()) + sum(sync.bytes_down.values())
-    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * cfg.model.seq_len
+    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * (
+        setup.task.data.tokens_per_example
+    )
     dp_bytes = tokens / tokens_per_dp_step * 2 * setup.param_bytes() * cfg.num_learners
     merged = [a.contributions for a in sync.ledger.accounts.values()]
     rounds = _rounds(sync)

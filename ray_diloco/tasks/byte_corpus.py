@@ -1,15 +1,11 @@
-"""Layer: algorithm (pure, no Ray). The byte-level corpus and the deterministic, resumable batch
-stream each learner reads (`batch = next(data)` in algorithm.md section 4; the cursor that a
-restarted learner resumes from the token ledger, section 7).
+"""Layer: tasks (pure, no Ray). The byte-level corpus of the built-in `byte_lm` task.
 
 Default corpus: the Python standard library source of the running interpreter, which exists on
 every machine that can run this code, so a laptop run needs no download. The held-out split is by
 FILE: a file goes to held-out when `zlib.crc32(relpath) % 10_000 < heldout_fraction * 10_000`,
 a rule that depends only on the file's relative path, so every process (and every machine with
 the same files) agrees on the split without coordination, and no held-out file ever leaks into
-training through a neighbouring window. The train stream is cut into one contiguous shard per
-learner; a batch is a pure function of (shard, cursor), so replaying from a saved cursor
-reproduces exactly the batches an uninterrupted run would have seen.
+training through a neighbouring window. `tasks/windows.py` cuts the streams into batches.
 """
 
 from __future__ import annotations
@@ -17,15 +13,14 @@ from __future__ import annotations
 import functools
 import glob
 import logging
-import math
 import os
 import sysconfig
 import zlib
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
-
-from ray_diloco.config import DataConfig
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +30,21 @@ SEPARATOR = 0
 _SPLIT_BUCKETS = 10_000
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _SYNTHETIC_BYTES = 200_000
+
+
+class DataConfig(BaseModel):
+    """The byte corpus (`task_args.data` of `byte_lm`). `paths` empty means: the Python
+    stdlib source of the running interpreter."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: Literal["files", "synthetic"] = "files"
+    paths: tuple[str, ...] = ()
+    seed: int = Field(0, description="shapes the synthetic source only; never the file split")
+    heldout_fraction: float = Field(0.02, gt=0.0, lt=0.5)
+    max_corpus_bytes: int = Field(24_000_000, ge=10_000)
+    eval_batches: int = Field(8, ge=1)
+    eval_batch_size: int = Field(32, ge=1)
 
 
 @dataclass(frozen=True)
@@ -78,22 +88,24 @@ def _pattern_base(pattern: str) -> str:
     return "/".join(fixed) or "."
 
 
-def _expand_paths(paths: tuple[str, ...]) -> list[tuple[str, str]]:
+def expand_paths(paths: tuple[str, ...], field: str = "data.paths") -> list[tuple[str, str]]:
+    """(relpath, abspath) of every file the glob patterns match, in order, without
+    duplicates; relpaths are taken from each pattern's fixed leading directories. Errors name
+    `field` (the config field or command-line option the patterns came from)."""
     files: list[tuple[str, str]] = []
     seen: set[str] = set()
     for pattern in paths:
         pattern = os.path.expanduser(pattern)
         if os.path.isdir(pattern):
             raise ValueError(
-                f"data.paths: {pattern!r} is a directory; give files or a glob pattern such as "
+                f"{field}: {pattern!r} is a directory; give files or a glob pattern such as "
                 f"'{pattern.rstrip('/')}/**/*.txt'"
             )
         matches = sorted(m for m in glob.glob(pattern, recursive=True) if not os.path.isdir(m))
         if not matches:
             raise ValueError(
-                f"data.paths: {pattern!r} matches no file (cwd {os.getcwd()}); fix the path or "
-                "glob pattern (use '**' for recursion), or leave data.paths empty for the "
-                "Python stdlib corpus"
+                f"{field}: {pattern!r} matches no file (cwd {os.getcwd()}); fix the path or "
+                "glob pattern (use '**' for recursion)"
             )
         base = _pattern_base(pattern)
         for m in matches:
@@ -104,7 +116,9 @@ def _expand_paths(paths: tuple[str, ...]) -> list[tuple[str, str]]:
     return files
 
 
-def _read_documents(files: list[tuple[str, str]], max_bytes: int) -> list[tuple[str, bytes]]:
+def read_documents(
+    files: list[tuple[str, str]], max_bytes: int, field: str = "data.paths"
+) -> list[tuple[str, bytes]]:
     """Read files in order until `max_bytes` (separators included) are collected."""
     docs: list[tuple[str, bytes]] = []
     total = 0
@@ -114,11 +128,11 @@ def _read_documents(files: list[tuple[str, str]], max_bytes: int) -> list[tuple[
             break
         try:
             with open(full, "rb") as fh:
-                data = fh.read(room)
+                data = fh.read(min(room, os.fstat(fh.fileno()).st_size))
         except OSError as err:
             raise ValueError(
-                f"data.paths: cannot read {full!r} ({err.strerror}); fix its permissions or "
-                "remove it from data.paths"
+                f"{field}: cannot read {full!r} ({err.strerror}); fix its permissions or "
+                f"remove it from {field}"
             ) from err
         docs.append((rel, data))
         total += len(data) + 1
@@ -158,18 +172,18 @@ def _join(docs: list[tuple[str, bytes]]) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
-def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+def load_corpus(cfg: DataConfig) -> Corpus:
     """Load the corpus described by `cfg` (read once per process, then cached).
 
-    `seed` only shapes the synthetic source; the file split never depends on it, so runs with
-    different seeds evaluate on the same held-out files."""
+    `cfg.seed` only shapes the synthetic source; the file split never depends on it, so every
+    run evaluates on the same held-out files."""
     if cfg.source == "synthetic":
-        docs = _synthetic_documents(seed, cfg.max_corpus_bytes)
-        what = f"synthetic Markov text (seed {seed})"
+        docs = _synthetic_documents(cfg.seed, cfg.max_corpus_bytes)
+        what = f"synthetic Markov text (seed {cfg.seed})"
     else:
-        files = _expand_paths(cfg.paths) if cfg.paths else _stdlib_files()
+        files = expand_paths(cfg.paths) if cfg.paths else _stdlib_files()
         where = ", ".join(cfg.paths) if cfg.paths else sysconfig.get_paths()["stdlib"]
-        docs = _read_documents(files, cfg.max_corpus_bytes)
+        docs = read_documents(files, cfg.max_corpus_bytes)
         what = f"files from {where}"
     if len(docs) < 2:
         raise ValueError(
@@ -189,69 +203,3 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     )
     log.info("corpus: %s", description)
     return Corpus(train_bytes, heldout_bytes, description)
-
-
-@functools.lru_cache(maxsize=64)
-def _stride(num_windows: int) -> int:
-    """A multiplier coprime with `num_windows` near its golden-ratio point: k -> k * stride mod
-    num_windows is then a bijection that scatters neighbouring k far apart."""
-    stride = max(1, int(num_windows * 0.6180339887)) | 1
-    while math.gcd(stride, num_windows) != 1:
-        stride += 2
-    return stride
-
-
-def window_starts(
-    num_train_tokens: int, shard: tuple[int, int], first: int, count: int, seq_len: int
-) -> np.ndarray:
-    """Start offsets of windows `first .. first+count-1` of shard (index, num_shards).
-
-    The train stream is cut into windows of T tokens, visited in a fixed pseudo-random order
-    (a multiplicative permutation, one full epoch before any window repeats); learner i of M
-    takes every M-th window of that order, so shards are disjoint and identically distributed.
-    A pure function of its arguments: resuming from a cursor replays the same stream."""
-    index, num_shards = shard
-    if not 0 <= index < num_shards:
-        raise ValueError(f"shard index {index} not in [0, {num_shards})")
-    num_windows = (num_train_tokens - 1) // seq_len
-    if num_windows < num_shards:
-        raise ValueError(
-            f"the train stream has {num_windows} windows of seq_len={seq_len} for "
-            f"{num_shards} learners; use a bigger corpus (data.paths) or a shorter seq_len"
-        )
-    k = np.arange(first, first + count, dtype=np.int64) * num_shards + index
-    return (k * _stride(num_windows) % num_windows) * seq_len
-
-
-def _windows(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    # Windows of seq_len + 1 bytes (x and y overlap by T), wrapping only in a stream too short.
-    idx = (starts[:, None] + np.arange(seq_len + 1)[None, :]) % stream.size
-    window = stream[idx].astype(np.int32)
-    return window[:, :-1], window[:, 1:]
-
-
-def batch_at(
-    train: np.ndarray, shard: tuple[int, int], cursor: int, batch_size: int, seq_len: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """The batch at token offset `cursor` of a shard: x, y int32[B, T] and the next cursor
-    (`cursor + B*T`). The cursor counts the shard's tokens consumed, across epochs."""
-    starts = window_starts(len(train), shard, cursor // seq_len, batch_size, seq_len)
-    x, y = _windows(train, starts, seq_len)
-    return x, y, cursor + batch_size * seq_len
-
-
-def heldout_batches(
-    corpus: Corpus, cfg: DataConfig, seq_len: int
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`cfg.eval_batches` batches of `cfg.eval_batch_size` windows at fixed, evenly spaced
-    offsets of the held-out stream: the same evaluation set in every process and every run."""
-    stream = corpus.heldout
-    if stream.size < 2:
-        raise ValueError("heldout_batches: held-out stream has fewer than 2 bytes")
-    count = cfg.eval_batches * cfg.eval_batch_size
-    # Spread over the positions where a full window fits; wrap only if the stream is shorter.
-    span = max(stream.size - seq_len, 1)
-    starts = np.arange(count, dtype=np.int64) * span // count
-    x, y = _windows(stream, starts, seq_len)
-    b = cfg.eval_batch_size
-    return [(x[i : i + b], y[i : i + b]) for i in range(0, count, b)]

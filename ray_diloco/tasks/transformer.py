@@ -1,33 +1,52 @@
-"""Layer: algorithm (pure, no Ray). The decoder-only byte-level transformer language model that
-every learner trains (the `step(params, batch)` of algorithm.md section 4).
+"""Layer: tasks (pure, no Ray). The decoder-only transformer language model of the built-in
+tasks (`byte_lm`: bytes; `token_lm`: tokens from a tokenizer).
 
 Pre-norm blocks (LayerNorm without bias, causal multi-head self-attention, GELU MLP), learned
-position table, no biases anywhere. The module is built with Flax NNX, but everything outside this
-file sees only a flat dict `{"blocks/0/attn/q/kernel": array, ...}` (docs/contracts.md): fragments,
-merge and the wire work leaf by leaf on that dict, so NNX never leaks out of here. `apply` rebuilds
-the NNX module from the flat dict with `nnx.merge` and a cached graph definition, which keeps it a
-pure, jittable function of `(params, tokens)`.
+position table, no biases anywhere. The module is built with Flax NNX, but its parameters are
+handed out as a flat dict `{"blocks/0/attn/q/kernel": array, ...}` (a pytree like any other
+for the task contract). `apply` rebuilds the NNX module from that dict with `nnx.merge` and a
+cached graph definition, which keeps it a pure, jittable function of `(params, tokens)`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ray_diloco.config import ModelConfig
+from ray_diloco.algorithm.pytree import path_string
 
 _INIT_STD = 0.02
 
-# Leaves that map bytes to vectors or vectors to bytes. They merge with a plain weighted mean,
-# not RDA (algorithm.md sections 3 and 6): their rows are updated sparsely (only the bytes seen),
-# so the direction/norm split of RDA does not describe them well.
-_EMBEDDING_PATHS = frozenset({"embed/embedding", "pos_embed", "unembed/kernel"})
+
+class ModelConfig(BaseModel):
+    """The transformer's shape (`task_args.model` of the built-in language-model tasks)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = Field(256, ge=2)
+    d_model: int = Field(96, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    d_ff: int = Field(384, ge=8)
+    seq_len: int = Field(64, ge=4)
+    tie_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                f"{self.num_heads}; pick a head count that divides d_model"
+            )
+        return self
 
 
 class _Attention(nnx.Module):
@@ -120,46 +139,6 @@ class _Transformer(nnx.Module):
         return self.unembed(h)
 
 
-def leaf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter leaf and its shape, in model order (the order of `leaf_paths`).
-
-    Written out by hand rather than read from NNX so the flat layout is a visible contract;
-    a unit test pins it against the real module."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed/embedding": (v, d),
-        "pos_embed": (cfg.seq_len, d),
-    }
-    for i in range(cfg.num_layers):
-        p = f"blocks/{i}"
-        shapes[f"{p}/ln1/scale"] = (d,)
-        for name in ("q", "k", "v", "o"):
-            shapes[f"{p}/attn/{name}/kernel"] = (d, d)
-        shapes[f"{p}/ln2/scale"] = (d,)
-        shapes[f"{p}/mlp/up/kernel"] = (d, f)
-        shapes[f"{p}/mlp/down/kernel"] = (f, d)
-    shapes["ln_f/scale"] = (d,)
-    if not cfg.tie_embeddings:
-        shapes["unembed/kernel"] = (d, v)
-    return shapes
-
-
-def leaf_paths(cfg: ModelConfig) -> tuple[str, ...]:
-    """The flat parameter paths in model order; `len(...) == cfg.num_leaves`."""
-    return tuple(leaf_shapes(cfg))
-
-
-def _path_str(keypath: tuple[Any, ...]) -> str:
-    parts: list[str] = []
-    for key in keypath:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        # GetAttrKey("value") is the NNX Variable wrapper, not part of the leaf's name.
-    return "/".join(parts)
-
-
 @functools.lru_cache(maxsize=16)
 def _structure(cfg: ModelConfig) -> tuple[nnx.GraphDef[Any], Any, tuple[str, ...]]:
     """Graph definition, state treedef and the path of each state leaf in treedef order, for one
@@ -168,28 +147,17 @@ def _structure(cfg: ModelConfig) -> tuple[nnx.GraphDef[Any], Any, tuple[str, ...
     abstract = nnx.eval_shape(lambda: _Transformer(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
-    paths = tuple(_path_str(kp) for kp, _ in with_paths)
-    if set(paths) != set(leaf_shapes(cfg)):
-        raise AssertionError(
-            f"model.py: NNX state paths {sorted(paths)} differ from leaf_shapes(); "
-            "update leaf_shapes() together with the module"
-        )
-    return graphdef, treedef, paths
+    return graphdef, treedef, tuple(path_string(kp) for kp, _ in with_paths)
 
 
-def init_params(cfg: ModelConfig, seed: int) -> dict[str, jax.Array]:
-    """Fresh float32 parameters as a flat dict in model order; deterministic in `seed`.
-    Eager on purpose: jitting the constructor compiles for longer than the eager ops take."""
-    _, state = nnx.split(_Transformer(cfg, nnx.Rngs(seed)))
-    flat = {_path_str(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
-    return {path: jnp.asarray(flat[path], dtype=jnp.float32) for path in leaf_paths(cfg)}
-
-
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every leaf of `init_params`, in model order, by abstract evaluation: no
-    parameter is computed (a host that receives its parameters needs only the layout)."""
-    abstract = jax.eval_shape(functools.partial(init_params, cfg, 0))
-    return {path: tuple(leaf.shape) for path, leaf in abstract.items()}
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict[str, jax.Array]:
+    """Fresh float32 parameters as a flat dict; deterministic in `rng`. Eager on purpose:
+    jitting the constructor compiles for longer than the eager ops take."""
+    _, state = nnx.split(_Transformer(cfg, nnx.Rngs(rng)))
+    return {
+        path_string(kp): jnp.asarray(leaf, dtype=jnp.float32)
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
 
 
 def apply(cfg: ModelConfig, params: Mapping[str, jax.Array], tokens: jax.Array) -> jax.Array:
@@ -209,11 +177,15 @@ def apply(cfg: ModelConfig, params: Mapping[str, jax.Array], tokens: jax.Array) 
     return model(tokens)
 
 
-def is_embedding(path: str) -> bool:
-    """True for the token and position embeddings and the output projection (section 3)."""
-    return path in _EMBEDDING_PATHS
+def next_token_loss(
+    cfg: ModelConfig,
+) -> Callable[[Mapping[str, jax.Array], Any], tuple[jax.Array, dict[str, jax.Array]]]:
+    """`(params, (x, y)) -> (mean next-token cross-entropy in nats, {})` for the model of `cfg`:
+    the loss of both built-in language-model tasks."""
 
+    def loss(params: Mapping[str, jax.Array], batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x, y = batch
+        logits = apply(cfg, params, jnp.asarray(x)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), {}
 
-def num_params(params: Mapping[str, Any]) -> int:
-    """Total number of scalar parameters in a flat dict."""
-    return sum(math.prod(v.shape) for v in params.values())
+    return loss

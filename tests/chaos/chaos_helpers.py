@@ -59,8 +59,10 @@ def chaos_tree(
         "token_budget": budget,
         "step_time_s": 0.04,
         "pace": "step_time",
-        "model": {"d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64, "seq_len": 16},
-        "data": {"source": "synthetic", "eval_batches": 2, "eval_batch_size": 8},
+        "task_args": {
+            "model": {"d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64, "seq_len": 16},
+            "data": {"source": "synthetic", "eval_batches": 2, "eval_batch_size": 8},
+        },
         "diloco": {
             "mode": "decoupled",
             "sync_every": 6,

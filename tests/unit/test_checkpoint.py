@@ -79,5 +79,5 @@ def test_digest_tracks_state_shape_only():
         load_config(None, [*TINY, "token_budget=5", "metrics.eval_every_s=1"])
     )
     assert checkpoint.state_digest(a) != checkpoint.state_digest(
-        load_config(None, [*TINY, "model.d_model=32"])
+        load_config(None, [*TINY, "task_args.model.d_model=32"])
     )

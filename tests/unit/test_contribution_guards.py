@@ -23,7 +23,7 @@ TOKENS_PER_STEP = 32 * 8  # the default learner's batch (32) x the tiny model's 
 
 def _core(*extra: str) -> SynchronizerCore:
     core = tiny_core(load_config(None, [*TINY, "diloco.norm_guard_min_samples=4", *extra]))
-    core.register("learner-0", 0, now=0.0)
+    core.register("learner-0", 0, now=0.0, tokens_per_step=TOKENS_PER_STEP)
     core.report("learner-0", 0, now=0.0, step_time_s=0.1, cursor=0)
     return core
 
@@ -152,13 +152,13 @@ def test_an_honest_run_has_no_refusals() -> None:
     # K = 1 without grace, publishing only to contributors: the setting in which the old guard
     # refused honest work most (learners' bases 3 versions behind the current value).
     tiny_run = [
-        "model.d_model=16",
-        "model.num_layers=1",
-        "model.num_heads=2",
-        "model.d_ff=32",
-        "model.seq_len=16",
-        "data.source=synthetic",
-        "data.eval_batches=1",
+        "task_args.model.d_model=16",
+        "task_args.model.num_layers=1",
+        "task_args.model.num_heads=2",
+        "task_args.model.d_ff=32",
+        "task_args.model.seq_len=16",
+        "task_args.data.source=synthetic",
+        "task_args.data.eval_batches=1",
         "diloco.sync_every=4",
         "diloco.num_fragments=4",
         "diloco.grace_fraction=0",

@@ -1,4 +1,5 @@
-"""Byte corpus, split by file, shards and resumable batches (algorithm/data.py)."""
+"""Byte corpus split by file (tasks/byte_corpus.py), parts and resumable batches
+(tasks/windows.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_diloco.config import DataConfig
 from ray_diloco.tasks import byte_corpus as data
+from ray_diloco.tasks import windows
+from ray_diloco.tasks.byte_corpus import DataConfig
 
 SYNTH = DataConfig(source="synthetic", eval_batches=3, eval_batch_size=4)
 
@@ -28,10 +30,10 @@ def _make_files(root: Path, n: int = 40) -> dict[str, bytes]:
 
 
 def test_synthetic_is_deterministic_and_seeded() -> None:
-    a = data.load_corpus(SYNTH, 0)
+    a = data.load_corpus(SYNTH)
     data.load_corpus.cache_clear()
-    b = data.load_corpus(SYNTH, 0)
-    c = data.load_corpus(SYNTH, 1)
+    b = data.load_corpus(SYNTH)
+    c = data.load_corpus(SYNTH.model_copy(update={"seed": 1}))
     assert a is not b and np.array_equal(a.train, b.train) and np.array_equal(a.heldout, b.heldout)
     assert not np.array_equal(a.train[:1000], c.train[:1000])
     assert a.train.dtype == np.uint8 and a.heldout.size > 0
@@ -45,7 +47,7 @@ def test_default_corpus_is_stdlib_without_site_packages() -> None:
     assert rels == sorted(rels)
     assert "os.py" in rels and "json/__init__.py" in rels
     assert not any("site-packages" in r or "dist-packages" in r for r in rels)
-    corpus = data.load_corpus(DataConfig(max_corpus_bytes=20_000), 0)
+    corpus = data.load_corpus(DataConfig(max_corpus_bytes=20_000))
     assert corpus.train.size + corpus.heldout.size <= 20_000
     assert corpus.heldout.size > 0 and "python" in corpus.description.lower()
     first = Path(files[0][1]).read_bytes()[:100]
@@ -55,7 +57,7 @@ def test_default_corpus_is_stdlib_without_site_packages() -> None:
 def test_split_is_by_file_disjoint_and_mount_independent(tmp_path: Path) -> None:
     bodies = _make_files(tmp_path / "a")
     cfg = DataConfig(paths=(str(tmp_path / "a" / "**" / "*.txt"),), heldout_fraction=0.3)
-    corpus = data.load_corpus(cfg, 0)
+    corpus = data.load_corpus(cfg)
     train, held = bytes(corpus.train), bytes(corpus.heldout)
     in_held = {rel for rel in bodies if data.is_heldout(rel, 0.3)}
     assert 0 < len(in_held) < len(bodies)
@@ -66,7 +68,7 @@ def test_split_is_by_file_disjoint_and_mount_independent(tmp_path: Path) -> None
     assert train.count(bytes([data.SEPARATOR])) == len(bodies) - len(in_held)
     # The same files mounted elsewhere split the same way (relpaths from the pattern's base).
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    moved = data.load_corpus(cfg.model_copy(update={"paths": (str(tmp_path / "b/**/*.txt"),)}), 0)
+    moved = data.load_corpus(cfg.model_copy(update={"paths": (str(tmp_path / "b/**/*.txt"),)}))
     assert np.array_equal(moved.heldout, corpus.heldout)
 
 
@@ -77,75 +79,77 @@ def test_heldout_never_empty(tmp_path: Path) -> None:
     cfg = DataConfig(
         paths=(str(tmp_path / "x.txt"), str(tmp_path / "y.txt")), heldout_fraction=1e-4
     )
-    corpus = data.load_corpus(cfg, 0)
+    corpus = data.load_corpus(cfg)
     assert bytes(corpus.heldout) == b"y" * 100 + b"\0"
     assert bytes(corpus.train) == b"x" * 100 + b"\0"
 
 
 def test_max_corpus_bytes_truncates(tmp_path: Path) -> None:
     _make_files(tmp_path)
-    corpus = data.load_corpus(
-        DataConfig(paths=(f"{tmp_path}/**/*.txt",), max_corpus_bytes=10_000), 0
-    )
+    corpus = data.load_corpus(DataConfig(paths=(f"{tmp_path}/**/*.txt",), max_corpus_bytes=10_000))
     assert corpus.train.size + corpus.heldout.size == 10_000
 
 
 def test_bad_paths_name_the_path_and_the_fix(tmp_path: Path) -> None:
     missing = str(tmp_path / "nothing" / "*.txt")
-    with pytest.raises(ValueError, match=r"matches no file.*data\.paths") as err:
-        data.load_corpus(DataConfig(paths=(missing,)), 0)
+    with pytest.raises(ValueError, match=r"data\.paths: .*matches no file") as err:
+        data.load_corpus(DataConfig(paths=(missing,)))
     assert missing in str(err.value)
     os.symlink(tmp_path / "gone.txt", tmp_path / "dangling.txt")
     (tmp_path / "ok.txt").write_bytes(b"fine")
     with pytest.raises(ValueError, match=r"cannot read .*dangling\.txt.*remove it"):
-        data.load_corpus(DataConfig(paths=(str(tmp_path / "*.txt"),)), 0)
+        data.load_corpus(DataConfig(paths=(str(tmp_path / "*.txt"),)))
     with pytest.raises(ValueError, match=r"is a directory.*\*\*"):
-        data.load_corpus(DataConfig(paths=(str(tmp_path),)), 0)
+        data.load_corpus(DataConfig(paths=(str(tmp_path),)))
 
 
 def test_shards_are_disjoint_and_one_epoch_visits_every_window_once() -> None:
     num_tokens, seq_len, shards = 1001, 8, 4  # 125 windows
-    starts = [data.window_starts(num_tokens, (i, shards), 0, 31, seq_len) for i in range(shards)]
-    every = np.concatenate([*starts, data.window_starts(num_tokens, (0, shards), 31, 1, seq_len)])
+    starts = [windows.window_starts(num_tokens, (i, shards), 0, 31, seq_len) for i in range(shards)]
+    every = np.concatenate(
+        [*starts, windows.window_starts(num_tokens, (0, shards), 31, 1, seq_len)]
+    )
     assert sorted(every.tolist()) == list(range(0, 1000, 8))  # a permutation of all windows
     # neighbouring windows of a shard are scattered, not consecutive text
     assert np.abs(np.diff(starts[0])).min() > seq_len
     # the next epoch replays the same order
-    again = data.window_starts(num_tokens, (2, shards), 125, 3, seq_len)
-    np.testing.assert_array_equal(again, data.window_starts(num_tokens, (2, shards), 0, 3, seq_len))
+    again = windows.window_starts(num_tokens, (2, shards), 125, 3, seq_len)
+    np.testing.assert_array_equal(
+        again, windows.window_starts(num_tokens, (2, shards), 0, 3, seq_len)
+    )
     with pytest.raises(ValueError, match="shard index"):
-        data.window_starts(num_tokens, (4, 4), 0, 1, seq_len)
+        windows.window_starts(num_tokens, (4, 4), 0, 1, seq_len)
     with pytest.raises(ValueError, match="bigger corpus"):
-        data.window_starts(20, (0, 4), 0, 1, seq_len)
+        windows.window_starts(20, (0, 4), 0, 1, seq_len)
 
 
 def test_batch_at_returns_shifted_windows_and_advances_the_cursor() -> None:
     train = (np.arange(1001) % 251).astype(np.uint8)
-    x, y, nxt = data.batch_at(train, (1, 2), 0, batch_size=3, seq_len=8)
+    x, y, nxt = windows.batch_at(train, (1, 2), 0, batch_size=3, seq_len=8)
     assert x.shape == y.shape == (3, 8) and x.dtype == np.int32 and nxt == 24
-    starts = data.window_starts(train.size, (1, 2), 0, 3, 8)
+    starts = windows.window_starts(train.size, (1, 2), 0, 3, 8)
     np.testing.assert_array_equal(x[1], train[starts[1] : starts[1] + 8])
     np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
-    x2, _, nxt2 = data.batch_at(train, (1, 2), 8, batch_size=2, seq_len=8)
+    x2, _, nxt2 = windows.batch_at(train, (1, 2), 8, batch_size=2, seq_len=8)
     np.testing.assert_array_equal(x2, x[1:])  # a cursor inside the stream starts mid-batch
     assert nxt2 == 24
 
 
 def test_resume_from_cursor_reproduces_the_stream() -> None:
-    corpus = data.load_corpus(SYNTH, 0)
+    corpus = data.load_corpus(SYNTH)
     shard = (1, 3)
 
     def run(cursor: int, steps: int) -> tuple[list[np.ndarray], int]:
         out = []
         for _ in range(steps):
-            x, y, cursor = data.batch_at(corpus.train, shard, cursor, 8, 16)
+            x, y, cursor = windows.batch_at(corpus.train, shard, cursor, 8, 16)
             out.append(np.stack([x, y]))
         return out, cursor
 
     straight, end = run(0, 10)
     first, saved = run(0, 4)
     data.load_corpus.cache_clear()  # as after a restart: the corpus is rebuilt from scratch
-    corpus = data.load_corpus(SYNTH, 0)
+    corpus = data.load_corpus(SYNTH)
     rest, end2 = run(saved, 6)
     assert end == end2 == 10 * 8 * 16
     for a, b in zip(straight, first + rest, strict=True):
@@ -154,11 +158,11 @@ def test_resume_from_cursor_reproduces_the_stream() -> None:
 
 
 def test_heldout_batches_fixed_and_in_bounds() -> None:
-    corpus = data.load_corpus(SYNTH, 0)
-    batches = data.heldout_batches(corpus, SYNTH, 16)
+    corpus = data.load_corpus(SYNTH)
+    batches = windows.heldout_batches(corpus.heldout, SYNTH.eval_batches, SYNTH.eval_batch_size, 16)
     assert len(batches) == SYNTH.eval_batches
     assert all(x.shape == y.shape == (SYNTH.eval_batch_size, 16) for x, y in batches)
-    again = data.heldout_batches(corpus, SYNTH, 16)
+    again = windows.heldout_batches(corpus.heldout, SYNTH.eval_batches, SYNTH.eval_batch_size, 16)
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
     # Window k starts at k * (M - T) // count: evenly spread, the last one ending inside.
     count, m = SYNTH.eval_batches * SYNTH.eval_batch_size, corpus.heldout.size

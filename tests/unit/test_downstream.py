@@ -9,9 +9,9 @@ import pytest
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.downstream import Downstream, Message
 from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.setup import Setup
 from ray_diloco.config import DilocoConfig, load_config
-from ray_diloco.sim.simulate import fragment_plan, run_reference
-from ray_diloco.tasks import transformer as model
+from ray_diloco.sim.simulate import run_reference
 from tests.sync_helpers import TINY
 
 SHAPE = (256,)
@@ -93,10 +93,9 @@ def test_learners_holding_the_same_copy_share_one_message() -> None:
 
 def _learner() -> LearnerCore:
     cfg = load_config(None, [*TINY, "diloco.anchor=base", "diloco.publish_dtype=int4"])
-    plan = fragment_plan(cfg)
-    init = model.init_params(cfg.model, cfg.seed)
-    snapshot = {p: (0, {k: np.asarray(init[k]) for k in f}) for p, f in enumerate(plan.fragments)}
-    return LearnerCore(cfg, cfg.learners[0], plan, snapshot, np.zeros(4096, np.uint8))
+    s = Setup.build(cfg)
+    snapshot = {p: (0, {k: s.init[k] for k in f}) for p, f in enumerate(s.plan.fragments)}
+    return LearnerCore(cfg, cfg.learners[0], s.task, s.layout, s.plan, snapshot)
 
 
 def test_the_learner_resolves_differences_in_order() -> None:
@@ -126,13 +125,13 @@ def test_the_learner_resolves_differences_in_order() -> None:
 @pytest.mark.parametrize("publish_to", ["all", "contributors"])
 def test_four_bit_publications_train_like_bfloat16_ones(publish_to: str) -> None:
     base = [
-        "model.d_model=16",
-        "model.num_layers=1",
-        "model.num_heads=2",
-        "model.d_ff=32",
-        "model.seq_len=16",
-        "data.source=synthetic",
-        "data.eval_batches=1",
+        "task_args.model.d_model=16",
+        "task_args.model.num_layers=1",
+        "task_args.model.num_heads=2",
+        "task_args.model.d_ff=32",
+        "task_args.model.seq_len=16",
+        "task_args.data.source=synthetic",
+        "task_args.data.eval_batches=1",
         "diloco.sync_every=4",
         "diloco.num_fragments=4",
         "diloco.anchor=base",

@@ -48,7 +48,8 @@ def test_a_refused_learner_catches_up_on_the_newest_version() -> None:
     core = _core("contributors")
     for version in (1, 2):  # b's rounds move fragment 0 two versions past a's base
         assert _offer(core, "b", base=version - 1, now=0.1 * version) is Verdict.ACCEPTED
-        core.poll(now=0.1 * version + 0.05)
+        (pub,) = core.poll(now=0.1 * version + 0.05)
+        core.messages(pub, core.recipients(pub, LEARNERS))  # b now holds the new version
     stale = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
     assert _offer(core, "a", base=0, now=1.0) is Verdict.STALE_VERSION
     newest = core.catch_up(stale, Verdict.STALE_VERSION)
@@ -79,8 +80,13 @@ def test_with_quantized_publications_a_catch_up_is_a_difference() -> None:
 
 @pytest.mark.timeout(120)
 def test_publishing_to_contributors_moves_fewer_bytes_down() -> None:
-    base = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.d_ff=32"]
-    base += ["model.seq_len=16", "data.source=synthetic", "token_budget=40000"]
+    base = [
+        "task_args.model.d_model=16",
+        "task_args.model.num_layers=1",
+        "task_args.model.num_heads=2",
+        "task_args.model.d_ff=32",
+    ]
+    base += ["task_args.model.seq_len=16", "task_args.data.source=synthetic", "token_budget=40000"]
     base += ["learners.2.speed=0.8", "learners.3.speed=0.8", "diloco.sync_every=8"]
     base += ["diloco.num_fragments=4"]
     runs = {

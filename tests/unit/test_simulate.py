@@ -7,19 +7,20 @@ import pytest
 
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
-from ray_diloco.sim.simulate import Setup, run_reference
+from ray_diloco.sim.simulate import run_reference
 
 TINY = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.d_ff=64",
-    "model.seq_len=16",
-    "data.source=synthetic",
-    "data.eval_batches=2",
-    "data.eval_batch_size=8",
+    "task_args.model.d_model=32",
+    "task_args.model.num_layers=2",
+    "task_args.model.num_heads=2",
+    "task_args.model.d_ff=64",
+    "task_args.model.seq_len=16",
+    "task_args.data.source=synthetic",
+    "task_args.data.eval_batches=2",
+    "task_args.data.eval_batch_size=8",
     "diloco.sync_every=4",
     "diloco.num_fragments=4",
     "diloco.overlap_steps=1",
@@ -167,3 +168,17 @@ def test_failures_strike_on_the_shared_schedule_and_cost_goodput(mode):
     assert times[0] > 0 and times[-1] <= hit["virtual_time_s"]
     assert hit["goodput"] < base["goodput"]
     assert hit["tokens"] >= 12000 and hit["heldout_loss"] == hit["heldout_loss"]
+
+
+def test_plan_link_loads_are_the_reference_runs_byte_rates(decoupled):
+    # `ray-diloco plan` predicts each region's bytes per second at step_time_s; the reference
+    # run moves its bytes on that virtual clock, so its upstream rate is the prediction (up to
+    # the run's ragged end) and its downstream rate stays under the predicted bound.
+    from ray_diloco.algorithm.setup import fragment_plan
+    from ray_diloco.cluster.plan import learner_link_loads
+
+    cfg = tiny("learners.2.speed=0.7", "learners.3.jitter=0.2")
+    (load,) = learner_link_loads(cfg, fragment_plan(cfg).sizes, "local")
+    seconds = decoupled["virtual_time_s"]
+    assert decoupled["bytes_up"] / seconds == pytest.approx(load.up, rel=0.03)
+    assert decoupled["bytes_down"] / seconds <= load.down

@@ -1,15 +1,18 @@
-"""The byte-level transformer's flat-dict contract (docs/contracts.md, algorithm/model.py)."""
+"""The built-in tasks' transformer (tasks/transformer.py): parameters as a flat dict, a pure
+and jittable apply, and which leaves the default predicate merges with the mean."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from ray_diloco.config import ModelConfig
+from ray_diloco.task import is_embedding
 from ray_diloco.tasks import transformer as model
+from ray_diloco.tasks.transformer import ModelConfig
 
 TINY = ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, seq_len=16)
 TINY_TIED = TINY.model_copy(update={"tie_embeddings": True})
@@ -20,36 +23,16 @@ apply = jax.jit(model.apply, static_argnums=0)
 
 @pytest.fixture(scope="module")
 def params() -> dict[str, jax.Array]:
-    return model.init_params(TINY, 0)
+    return model.init_params(TINY, jax.random.key(0))
 
 
 def _tokens(seed: int, batch: int = 2, t: int = TINY.seq_len) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (batch, t)), dtype=jnp.int32)
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        TINY,
-        TINY_TIED,
-        ModelConfig(d_model=16, num_layers=3, num_heads=4, d_ff=32, seq_len=8),
-        ModelConfig(),
-    ],
-)
-def test_leaf_paths_match_config_and_nnx_module(cfg: ModelConfig) -> None:
-    paths = model.leaf_paths(cfg)
-    assert len(paths) == cfg.num_leaves == len(set(paths))
-    # The hand-written layout must be exactly what NNX builds (shapes included).
-    _, state = nnx.split(nnx.eval_shape(lambda: model._Transformer(cfg, nnx.Rngs(0))))
-    built = {"/".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
-    assert built == model.leaf_shapes(cfg)
-
-
 def test_leaf_order_and_shapes(params: dict[str, jax.Array]) -> None:
     d, f, v, t = TINY.d_model, TINY.d_ff, TINY.vocab_size, TINY.seq_len
-    assert list(params) == list(model.leaf_paths(TINY))
-    assert list(params)[:2] == ["embed/embedding", "pos_embed"]
-    assert list(params)[-2:] == ["ln_f/scale", "unembed/kernel"]
+    assert len(params) == 2 + 8 * TINY.num_layers + 2
     assert params["embed/embedding"].shape == (v, d)
     assert params["pos_embed"].shape == (t, d)
     for name in ("q", "k", "v", "o"):
@@ -58,17 +41,17 @@ def test_leaf_order_and_shapes(params: dict[str, jax.Array]) -> None:
     assert params["blocks/0/mlp/down/kernel"].shape == (f, d)
     assert params["unembed/kernel"].shape == (d, v)
     assert all(x.dtype == jnp.float32 for x in params.values())
-    assert "unembed/kernel" not in model.leaf_paths(TINY_TIED)
+    assert "unembed/kernel" not in model.init_params(TINY_TIED, jax.random.key(0))
 
 
 def test_default_model_is_about_half_a_million_parameters() -> None:
-    shapes = model.leaf_shapes(ModelConfig())
-    assert sum(int(np.prod(s)) for s in shapes.values()) == 498_528
+    shapes = jax.eval_shape(functools.partial(model.init_params, ModelConfig()), jax.random.key(0))
+    assert sum(int(np.prod(s.shape)) for s in shapes.values()) == 498_528
 
 
 def test_init_deterministic_and_scaled(params: dict[str, jax.Array]) -> None:
-    again = model.init_params(TINY, 0)
-    other = model.init_params(TINY, 1)
+    again = model.init_params(TINY, jax.random.key(0))
+    other = model.init_params(TINY, jax.random.key(1))
     assert all(np.array_equal(params[k], again[k]) for k in params)
     assert not np.array_equal(params["blocks/0/attn/q/kernel"], other["blocks/0/attn/q/kernel"])
     assert np.all(np.asarray(params["blocks/0/ln1/scale"]) == 1.0)
@@ -77,9 +60,6 @@ def test_init_deterministic_and_scaled(params: dict[str, jax.Array]) -> None:
     o_std = float(np.std(params["blocks/0/attn/o/kernel"]))
     assert 0.015 < q_std < 0.025
     assert o_std < 0.7 * q_std  # residual-branch outputs start smaller
-    assert model.num_params(params) == sum(
-        int(np.prod(s)) for s in model.leaf_shapes(TINY).values()
-    )
 
 
 def test_apply_shapes_and_purity(params: dict[str, jax.Array]) -> None:
@@ -103,8 +83,8 @@ def test_causal_later_token_does_not_change_earlier_logits(params: dict[str, jax
 
 
 def test_tied_embeddings_use_the_embedding_table() -> None:
-    p = model.init_params(TINY_TIED, 0)
-    assert len(p) == TINY_TIED.num_leaves
+    p = model.init_params(TINY_TIED, jax.random.key(0))
+    assert len(p) == 2 + 8 * TINY.num_layers + 1
     # logits = h @ embed.T: doubling byte 7's row doubles byte 7's logit and nothing else, as
     # long as byte 7 is not among the inputs.
     safe = jnp.where(_tokens(2) == 7, 8, _tokens(2))
@@ -123,8 +103,11 @@ def test_apply_rejects_bad_inputs(params: dict[str, jax.Array]) -> None:
         model.apply(TINY, broken, _tokens(0))
 
 
-def test_is_embedding_flags_exactly_the_byte_tables() -> None:
-    flagged = {p for p in model.leaf_paths(TINY) if model.is_embedding(p)}
-    assert flagged == {"embed/embedding", "pos_embed", "unembed/kernel"}
-    flagged_tied = {p for p in model.leaf_paths(TINY_TIED) if model.is_embedding(p)}
-    assert flagged_tied == {"embed/embedding", "pos_embed"}
+def test_default_mean_merge_predicate_flags_exactly_the_token_tables(params) -> None:
+    assert {p for p in params if is_embedding(p)} == {
+        "embed/embedding",
+        "pos_embed",
+        "unembed/kernel",
+    }
+    tied = model.init_params(TINY_TIED, jax.random.key(0))
+    assert {p for p in tied if is_embedding(p)} == {"embed/embedding", "pos_embed"}

@@ -1,0 +1,156 @@
+"""Layer: algorithm (pure, no Ray). What every process of a run builds from its config: the
+task (ray_diloco/task.py), its initial parameters as a flat dict, their fragments, and the
+held-out evaluation. The synchronizer actor, the learners and the in-process reference run all
+start here, so they agree on the parameters, the fragments and the data by construction.
+
+`check_task` is what the driver runs before any actor starts: it builds the task, fragments its
+parameters and computes one training loss, so a bad import path, a factory returning the wrong
+thing, a pytree that cannot be cut into `num_fragments` or a non-finite first loss ends the run
+with one error line instead of a crashed actor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from ray_diloco.algorithm import inner
+from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
+from ray_diloco.algorithm.pytree import TreeLayout
+from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
+from ray_diloco.task import Batch, Task, load_task
+
+
+def task_of(cfg: RunConfig) -> Task:
+    return load_task(cfg.task, cfg.task_args)
+
+
+def init_key(cfg: RunConfig) -> jax.Array:
+    """The key every process initialises the parameters from (the same start everywhere)."""
+    return jax.random.key(cfg.seed)
+
+
+def layout_of(cfg: RunConfig, task: Task | None = None) -> TreeLayout:
+    """The parameters' structure by abstract evaluation of `task.init`: no parameter is
+    computed (a host that receives its parameters needs only the layout)."""
+    task = task or task_of(cfg)
+    try:
+        abstract = jax.eval_shape(task.init, init_key(cfg))
+    except Exception as err:
+        raise ConfigError(
+            f"task: {cfg.task} init(rng) failed: {type(err).__name__}: {err}"
+        ) from None
+    try:
+        return TreeLayout.of(abstract)
+    except ValueError as err:
+        raise ConfigError(f"task: {cfg.task}: {err}") from None
+
+
+def fragment_plan(cfg: RunConfig, task: Task | None = None) -> FragmentPlan:
+    """The run's fragments (algorithm.md section 3), from the parameters' shapes alone."""
+    task = task or task_of(cfg)
+    return _plan(cfg, task, layout_of(cfg, task))
+
+
+def _plan(cfg: RunConfig, task: Task, layout: TreeLayout) -> FragmentPlan:
+    mean_leaves = [p for p in layout.paths if task.merge_with_mean(p)]
+    try:
+        return plan_fragments(layout.sizes(), cfg.diloco.num_fragments, mean_leaves)
+    except ValueError as err:
+        raise ConfigError(
+            f"diloco.num_fragments={cfg.diloco.num_fragments}: {err} (the task's parameters "
+            f"have {len(layout.paths)} leaves)"
+        ) from None
+
+
+def tokens_per_step(task: Task, learner: LearnerGroupConfig) -> int:
+    """Tokens in one inner step of `learner` (its batch of examples)."""
+    return learner.batch_size * task.data.tokens_per_example
+
+
+def total_inner_steps(cfg: RunConfig, task: Task) -> int:
+    """Inner steps each learner takes if every learner shares the token budget by batch size;
+    the length of the default learning-rate schedule."""
+    total_batch = sum(lg.batch_size for lg in cfg.learners)
+    return max(1, cfg.token_budget // (total_batch * task.data.tokens_per_example))
+
+
+@dataclass
+class Setup:
+    """What every process of a run shares: the task, initial parameters, fragments and the
+    held-out evaluation."""
+
+    cfg: RunConfig
+    task: Task
+    layout: TreeLayout
+    init: dict[str, np.ndarray]  # float32, host
+    plan: FragmentPlan
+    eval_fn: inner.EvalFn = field(repr=False)
+
+    @classmethod
+    def build(cls, cfg: RunConfig) -> Setup:
+        task = task_of(cfg)
+        layout = layout_of(cfg, task)
+        flat = layout.flatten(task.init(init_key(cfg)))
+        init = {k: np.asarray(v, np.float32) for k, v in flat.items()}
+        plan = _plan(cfg, task, layout)
+        return cls(cfg, task, layout, init, plan, inner.make_eval_fn(task, layout))
+
+    @functools.cached_property
+    def heldout(self) -> list[Batch]:
+        batches = list(self.task.data.heldout())
+        if not batches:
+            raise ConfigError(f"task: {self.cfg.task}: data.heldout() gave no batch")
+        return batches
+
+    def evaluate(self, params: dict[str, Any]) -> float:
+        return inner.evaluate(self.eval_fn, params, self.heldout)
+
+    def num_params(self) -> int:
+        return self.layout.num_params()
+
+    def param_bytes(self) -> int:
+        return 4 * self.num_params()
+
+
+def check_task(cfg: RunConfig) -> dict[str, Any]:
+    """Build the task and fragment its parameters, then train-loss one batch of the first
+    learner and evaluate the held-out set: every problem is one ConfigError naming the field.
+    Returns what was found (parameters, leaves, first loss), for the run's log."""
+    setup = Setup.build(cfg)
+    lg = cfg.learners[0]
+    batch, num_tokens = next(setup.task.data.batches(0, cfg.num_learners, 0, lg.batch_size))
+    if not isinstance(num_tokens, int | np.integer) or num_tokens <= 0:
+        raise ConfigError(
+            f"task: {cfg.task}: data.batches() yielded num_tokens={num_tokens!r}; it must be a "
+            "positive int (the tokens in the batch)"
+        )
+    tx = inner.inner_optimizer(setup.task, cfg.inner, total_inner_steps(cfg, setup.task))
+    step = inner.make_train_step(setup.task, setup.layout, tx)
+    params = {k: jax.numpy.asarray(v, setup.layout.dtypes[k]) for k, v in setup.init.items()}
+    try:
+        loss = float(step(params, inner.init_opt_state(tx, setup.layout, params), batch)[2])
+        heldout = setup.evaluate(setup.init)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"task: {cfg.task}: the first training step failed: {type(err).__name__}: {err}"
+        ) from None
+    if not (math.isfinite(loss) and math.isfinite(heldout)):
+        raise ConfigError(
+            f"task: {cfg.task}: the first training loss is {loss} and the held-out loss "
+            f"{heldout} at initialisation; fix the model's init or loss (or lower inner.lr)"
+        )
+    return {
+        "task": cfg.task,
+        "num_params": setup.num_params(),
+        "num_leaves": len(setup.layout.paths),
+        "first_loss": loss,
+        "tokens_per_batch": int(num_tokens),
+    }

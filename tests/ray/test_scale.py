@@ -1,0 +1,122 @@
+"""`ray-diloco scale` adds a learner to a running job and removes it again (issue 16): the new
+learner contributes merged rounds, its leave is graceful (no restart, no failure), and the
+token ledger stays exact."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ray_diloco.config import load_config
+from ray_diloco.control.events import FailureDetected, LearnerJoined, LearnerLeft
+from ray_diloco.control.tape import read_tape
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
+
+
+def _scale(run_dir: Path, address: str, *args: str) -> str:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ray_diloco.cli",
+            "scale",
+            str(run_dir),
+            "--address",
+            address,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_path: Path) -> None:
+    import ray
+
+    from ray_diloco.driver import run_training
+
+    run_dir = tmp_path / "scaled"
+    cfg = load_config(
+        TINY,
+        [
+            f"run_dir={run_dir}",
+            "synchronizer.name=sync-scale",
+            "diloco.mode=decoupled",
+            "token_budget=200000",
+            "pace=step_time",
+            "step_time_s=0.05",
+            "elastic.lease_tokens=1024",
+        ],
+    )
+    result: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: result.update(summary=run_training(cfg, progress=lambda line: None))
+    )
+    thread.start()
+    sync: Any = None
+
+    def status() -> dict[str, Any]:
+        """The synchronizer's status, {} while it is not up yet (it builds the task first)."""
+        nonlocal sync
+        with contextlib.suppress(ValueError, ray.exceptions.GetTimeoutError):
+            sync = sync or ray.get_actor("sync-scale", namespace=cfg.synchronizer.namespace)
+            return dict(ray.get(sync.status.remote(), timeout=10))
+        return {}
+
+    deadline = time.monotonic() + 180
+    while status().get("rounds", 0) < 5:
+        assert time.monotonic() < deadline and thread.is_alive(), "the run did not start"
+        time.sleep(0.5)
+    address = ray.get_runtime_context().gcs_address
+    out = _scale(run_dir, address, "--add", "name=extra,batch_size=8")
+    assert "learner extra joins the run" in out
+    # Paced at 50 ms a step, the run lasts ~40 s: time for the new learner to boot and merge.
+    while status().get("contributions_merged", {}).get("extra", 0) < 3:
+        assert time.monotonic() < deadline + 60 and thread.is_alive(), "extra never contributed"
+        time.sleep(0.5)
+    assert "extra" in _scale(run_dir, address, "--list")
+    _scale(run_dir, address, "--remove", "extra")
+    thread.join(timeout=200)
+    summary = result["summary"]
+    events = read_tape(run_dir / "events.jsonl")
+    assert [e.learner for e in events if isinstance(e, LearnerJoined)] == ["extra"]
+    (left,) = [e for e in events if isinstance(e, LearnerLeft)]
+    assert left.learner == "extra" and left.reason == "requested"
+    assert not [e for e in events if isinstance(e, FailureDetected)]
+    extra = summary["learners"]["extra"]
+    assert extra["contributions_merged"] >= 3 and extra["restarts"] == 0
+    assert extra["state"] == "left"
+    assert summary["ledger_violations"] == []
+    assert summary["tokens"] == sum(a["tokens"] for a in summary["learners"].values())
+    assert summary["tokens"] >= 200000
+
+
+def test_scale_reports_a_bad_run_dir_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_diloco.cli", "scale", str(tmp_path), "--list"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr == f"error: {tmp_path}/config.json not found; give the run_dir of a "
+        "running job\n"
+    )
