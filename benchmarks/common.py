@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,13 +87,29 @@ J = TypeVar("J")
 R = TypeVar("R")
 
 
-def run_parallel(fn: Callable[[J], R], jobs: Sequence[J], workers: int) -> list[R]:
+def run_parallel(
+    fn: Callable[[J], R],
+    jobs: Sequence[J],
+    workers: int,
+    done: Callable[[list[R]], None] | None = None,
+) -> list[R]:
     """`fn` over `jobs`, `workers` at a time, each in its own process (spawned: JAX does not
     survive a fork) with single-threaded XLA and BLAS: two processes on two cores run faster
     than two multi-threaded ones fighting for them. The processes share a persistent JAX
-    compilation cache (runs of one setting compile the same programs). In order."""
+    compilation cache (runs of one setting compile the same programs). In order. `done` gets
+    the results finished so far (in job order) after each one, so a benchmark can write what
+    it has: on a shared machine a long benchmark may not get to its end."""
+    results: dict[int, R] = {}
+
+    def finished(i: int, r: R) -> None:
+        results[i] = r
+        if done is not None:
+            done([results[k] for k in sorted(results)])
+
     if workers <= 1:
-        return [fn(job) for job in jobs]
+        for i, job in enumerate(jobs):
+            finished(i, fn(job))
+        return [results[i] for i in range(len(jobs))]
     os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
@@ -101,7 +117,10 @@ def run_parallel(fn: Callable[[J], R], jobs: Sequence[J], workers: int) -> list[
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        return list(pool.map(fn, jobs))
+        futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
+        for future in as_completed(futures):
+            finished(futures[future], future.result())
+    return [results[i] for i in range(len(jobs))]
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -41,14 +41,15 @@ CONFIG = REFERENCE
 SEEDS = (0, 1, 2)
 QUICK_SEEDS = (0,)
 DEFAULT = "decoupled K=1 grace"
-# name -> (overrides, number of learners)
+# name -> (overrides, number of learners); runs start in this order (the comparisons the
+# targets need first), every variant's seed 0 before any seed 1.
 VARIANTS: dict[str, tuple[list[str], int]] = {
     "data_parallel": (["diloco.mode=data_parallel"], 4),
-    "synchronous": (["diloco.mode=synchronous"], 4),
-    "decoupled K=M": (["diloco.quorum_min=4"], 4),
-    "decoupled K=1 no grace": (["diloco.grace_fraction=0"], 4),
     DEFAULT: ([], 4),
+    "synchronous": (["diloco.mode=synchronous"], 4),
+    "decoupled K=1 no grace": (["diloco.grace_fraction=0"], 4),
     "decoupled K=1 grace, mean merge": (["diloco.merge=mean"], 4),
+    "decoupled K=M": (["diloco.quorum_min=4"], 4),
     "decoupled K=1 grace, M=2": ([], 2),
     "decoupled K=1 grace, M=8": ([], 8),
 }
@@ -72,19 +73,21 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
     lower_priority()
     t0 = time.perf_counter()
     s = run_reference(horizon_config(overrides, num_learners, seed, quick))
-    return {
-        "variant": name,
-        "seed": seed,
-        "heldout_loss": s["heldout_loss"],
-        "tokens": s["tokens"],
-        "rounds": s.get("rounds", 0),
-        "mean_contributors": s.get("mean_contributors", 0.0),
-        "refused": sum(s.get("rejected", {}).values()),
-        "refused_by_reason": s.get("rejected", {}),
-        "bytes_per_token": s["bytes_per_token"],
-        "wall_s": time.perf_counter() - t0,
-        "evals": s["evals"],
-    }
+    return _report(
+        {
+            "variant": name,
+            "seed": seed,
+            "heldout_loss": s["heldout_loss"],
+            "tokens": s["tokens"],
+            "rounds": s.get("rounds", 0),
+            "mean_contributors": s.get("mean_contributors", 0.0),
+            "refused": sum(s.get("rejected", {}).values()),
+            "refused_by_reason": s.get("rejected", {}),
+            "bytes_per_token": s["bytes_per_token"],
+            "wall_s": time.perf_counter() - t0,
+            "evals": s["evals"],
+        }
+    )
 
 
 def _report(r: dict[str, Any]) -> dict[str, Any]:
@@ -160,16 +163,12 @@ def main() -> None:
         points = VARIANTS
     jobs = [
         (name, overrides, num, seed, args.quick)
+        for seed in seeds
         for name, (overrides, num) in points.items()
         if not args.only or name in args.only
-        for seed in seeds
     ]
-    runs = [_report(r) for r in run_parallel(run_one, jobs, args.jobs)]
-    rows = summarize(runs, list(points))
     name = "quality" + ("_sweep" if args.sweep else "") + ("-quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.sweep:
-        plot(runs, list(points), args.out / f"{name}.png")
     columns = [
         "variant",
         "seeds",
@@ -182,21 +181,25 @@ def main() -> None:
         "refused",
         "bytes_per_token",
     ]
-    write_results(
-        args.out,
-        name,
-        rows,
-        columns,
-        {
+
+    def save(runs: list[dict[str, Any]]) -> None:
+        """Write what has finished (the JSON says how many of the planned runs)."""
+        if not args.sweep:
+            plot(runs, list(points), args.out / f"{name}.png")
+        meta = {
             "config": CONFIG.name,
             "setting": [*QUICK_MODEL, "token_budget=60000"] if args.quick else HORIZON,
             "global_batch": GLOBAL_BATCH,
             "quick": args.quick,
             "default": DEFAULT,
             "variants": list(points),
+            "runs_planned": len(jobs),
+            "runs_done": len(runs),
             "runs": runs,
-        },
-    )
+        }
+        write_results(args.out, name, summarize(runs, list(points)), columns, meta)
+
+    run_parallel(run_one, jobs, args.jobs, save)
 
 
 if __name__ == "__main__":

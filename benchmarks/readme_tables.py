@@ -31,7 +31,9 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _pct(x: float) -> str:
+def _pct(x: float | None) -> str:
+    if x is None:
+        return "-"
     return "0" if x == 0 else f"{100 * x:+.1f}%"
 
 
@@ -126,11 +128,14 @@ def bandwidth(data: dict[str, Any]) -> str:
         }
         for r in data["rows"]
     ]
+    table = markdown_table(rows, list(rows[0]))
+    if not data["meta"].get("needs_gbps"):  # the link bisection did not run
+        return table
     needs = [
         {"mode": mode, "link for goodput 0.95": _rate(gbps)}
         for mode, gbps in data["meta"]["needs_gbps"].items()
     ]
-    return markdown_table(rows, list(rows[0])) + "\n\n" + markdown_table(needs, list(needs[0]))
+    return table + "\n\n" + markdown_table(needs, list(needs[0]))
 
 
 def overhead(data: dict[str, Any]) -> str:
@@ -261,6 +266,9 @@ def block(name: str, results: Path = RESULTS) -> str:
         if meta
         else f"from `benchmarks/results/{name}.json`:"
     )
+    done, planned = meta.get("runs_done"), meta.get("runs_planned")
+    if done is not None and done < planned:  # a benchmark stopped before its end
+        where += f" (the first {done} of its {planned} planned runs)"
     return f"{where}\n\n{TABLES[name](data)}"
 
 
