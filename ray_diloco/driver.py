@@ -30,7 +30,7 @@ from ray_diloco.actors.learner_group import regions_are_labelled
 from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
 from ray_diloco.actors.sync_restore import checkpoint_dir
 from ray_diloco.actors.synchronizer import config_digest, get_or_create_synchronizer
-from ray_diloco.config import ConfigError, RunConfig, dump_config
+from ray_diloco.config import ConfigError, RunConfig, check_output_dir, dump_config
 from ray_diloco.control.events import Event, RunStarted
 from ray_diloco.control.tape import read_tape
 from ray_diloco.report import progress_line, write_json
@@ -62,6 +62,7 @@ def run_training(
     """Train `cfg` on Ray to its token budget; returns the summary (also in summary.json).
     `stop_when(supervisor_status)` may end the run earlier by returning a reason (benchmarks
     stop once their faults played out)."""
+    check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
     embedded = _connect(cfg, address)
     try:
         # Before any actor starts: a task that cannot be built, fragmented or trained ends
