@@ -132,13 +132,31 @@ class SynchronizerConfig(_Frozen):
 
 
 class SupervisorConfig(_Frozen):
-    heartbeat_timeout_s: float = Field(2.0, gt=0)
+    """Failure detection adapts to load (control/detector.py): a host is hung when silent for
+    `heartbeat_timeout_factor` times the 99th percentile of its recent gaps between answers,
+    at least `heartbeat_timeout_s` and at most `heartbeat_timeout_max_s`; a new incarnation
+    gets `startup_timeout_factor` times the longest boot seen in the run, at least
+    `startup_timeout_s`."""
+
+    heartbeat_timeout_s: float = Field(2.0, gt=0, description="the floor: an idle machine's")
+    heartbeat_timeout_factor: float = Field(3.0, ge=1)
+    heartbeat_timeout_max_s: float = Field(30.0, gt=0, description="a hang is found by then")
     startup_timeout_s: float = Field(60.0, gt=0, description="a new incarnation's first answer")
+    startup_timeout_factor: float = Field(2.0, ge=1)
     poll_interval_s: float = Field(0.25, gt=0)
     restart_backoff_s: float = Field(0.5, ge=0)
     restart_backoff_max_s: float = Field(10.0, ge=0)
     max_crash_restarts: int = Field(5, ge=0)
     max_preemption_restarts: int = Field(20, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> SupervisorConfig:
+        if self.heartbeat_timeout_max_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"supervisor.heartbeat_timeout_max_s={self.heartbeat_timeout_max_s} is below "
+                f"supervisor.heartbeat_timeout_s={self.heartbeat_timeout_s}; raise it"
+            )
+        return self
 
 
 FaultKind = Literal[

@@ -14,6 +14,8 @@ from ray_diloco.control.events import (
     FaultInjected,
     GiveUp,
     LearnerDegraded,
+    LearnerJoined,
+    LearnerLeft,
     LearnerRecovered,
     LearnerRejoined,
     LearnerRestarted,
@@ -47,6 +49,9 @@ SAMPLES: list[Event] = [
     LearnerDegraded(8.2, "learner-1", cause="slow_steps", detail="2.0 vs 9.0 steps/s"),
     LearnerRecovered(8.4, "learner-1", cause="slow_steps", degraded_s=5.0),
     RunFinished(9.0, tokens=2_000_000, reason="token budget"),
+    FailureDetected(9.5, "learner-0", FailureKind.HANG, 4.6, "host 0 silent", timeout_s=4.5),
+    LearnerJoined(10.0, "extra-0", "us-east5", "cpu", reason="scavenged"),
+    LearnerLeft(11.0, "extra-0", reason="requested", tokens_returned=4096),
 ]
 
 
