@@ -25,6 +25,20 @@ SLICES = {
     "v5p": ("slice-v5p", "v5p-16", "2x2x2", "us-east5"),
     "v6e": ("slice-v6e", "v6e-8", "2x4", "europe-west4"),
 }
+# Ray waits a hard-coded 30 s for a new raylet to register with the GCS, and `Cluster` 30 s for
+# it to show up; on a busy machine (load 20 on 2 cores, measured) that is not enough.
+NODE_START_TIMEOUT_S = 180.0
+
+
+def agent_ports() -> dict[str, int]:
+    """Ports for a node's agents, chosen here. A raylet given none waits for each agent to
+    write its port to a file, for 15 s (hard-coded in Ray 2.60), then crashes ("Timed out
+    waiting for file metrics_agent_port"): on a busy machine the dashboard agent's imports
+    alone take longer (measured at load ~20 on 2 cores)."""
+    names = ("metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")
+    return {name: free_port() for name in names} | {"dashboard_agent_listen_port": free_port()}
+
+
 # A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s.
 FAST_HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 0,
@@ -65,6 +79,32 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def patient_node_start(timeout_s: float = NODE_START_TIMEOUT_S) -> Iterator[None]:
+    """Let a node started inside the block take up to `timeout_s` to register: Ray's own
+    wait (`ray._private.node.Node`, 30 s) polls `services.get_node`, which here retries until
+    then instead of failing at once."""
+    from ray._private import services
+
+    original = services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
+@contextlib.contextmanager
 def _env(values: dict[str, str]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -97,18 +137,29 @@ def add_tpu_host(
         "TPU_TOPOLOGY": topology,
         "RAY_NODE_REGION": region,
     }
-    with _env(env):
-        return cluster.add_node(
+    with _env(env), patient_node_start():
+        node = cluster.add_node(
             num_cpus=num_cpus,
             resources={"TPU": chips},
             object_store_memory=HOST_OBJECT_STORE_BYTES,
+            wait=False,
+            **agent_ports(),
         )
+    cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
+    return node
 
 
 def add_cpu_host(cluster: Any, region: str, num_cpus: int = 1) -> Any:
     """Add one CPU-only node labelled `ray.io/availability-region=region`."""
-    with _env({"RAY_NODE_REGION": region}):
-        return cluster.add_node(num_cpus=num_cpus, object_store_memory=HOST_OBJECT_STORE_BYTES)
+    with _env({"RAY_NODE_REGION": region}), patient_node_start():
+        node = cluster.add_node(
+            num_cpus=num_cpus,
+            object_store_memory=HOST_OBJECT_STORE_BYTES,
+            wait=False,
+            **agent_ports(),
+        )
+    cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
+    return node
 
 
 def preempt_host(cluster: Any, node: Any, notice_s: float = 0.2) -> None:
@@ -156,21 +207,23 @@ def start_tpu_cluster(namespace: str) -> TpuCluster:
 
     if ray.is_initialized():  # a previous user leaked its Ray; never reuse it
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "object_store_memory": 100 * 2**20,
-            "_system_config": FAST_HEALTH_CHECKS,
-        },
-    )
+    with patient_node_start():
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "object_store_memory": 100 * 2**20,
+                "_system_config": FAST_HEALTH_CHECKS,
+                **agent_ports(),
+            },
+        )
     try:
         tpu = TpuCluster(cluster, {})
         for kind in SLICES:
             for worker_id in range(2):
                 tpu.add_slice_host(kind, worker_id)
-        cluster.wait_for_nodes()
+        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
         ray.init(address=cluster.address, namespace=namespace)
     except BaseException:
         cluster.shutdown()
