@@ -31,12 +31,10 @@ NODE_START_TIMEOUT_S = 180.0
 
 
 def agent_ports() -> dict[str, int]:
-    """Ports for a node's agents, chosen here. A raylet given none waits for each agent to
-    write its port to a file, for 15 s (hard-coded in Ray 2.60), then crashes ("Timed out
-    waiting for file metrics_agent_port"): on a busy machine the dashboard agent's imports
-    alone take longer (measured at load ~20 on 2 cores)."""
-    names = ("metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")
-    return {name: free_port() for name in names} | {"dashboard_agent_listen_port": free_port()}
+    """The port of a node's runtime-env agent, chosen here: a raylet given none waits 15 s
+    (hard-coded in Ray 2.60) for the agent to write it to a file, then crashes; on a busy
+    machine the agent's imports alone can take longer (see `patient_node_start`)."""
+    return {"runtime_env_agent_port": free_port()}
 
 
 # A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s.
@@ -80,12 +78,18 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def patient_node_start(timeout_s: float = NODE_START_TIMEOUT_S) -> Iterator[None]:
-    """Let a node started inside the block take up to `timeout_s` to register: Ray's own
-    wait (`ray._private.node.Node`, 30 s) polls `services.get_node`, which here retries until
-    then instead of failing at once."""
+    """Let a node started inside the block come up on a busy machine (tests only):
+
+    - its registration may take up to `timeout_s`: Ray's own wait (`ray._private.node.Node`,
+      30 s) polls `services.get_node`, which here retries until then instead of failing;
+    - its dashboard agent runs `--minimal` (no HTTP server, no dashboard modules, which the
+      tests never use): the raylet waits 15 s (hard-coded in Ray 2.60) for the agent's
+      listen port, written only once those modules loaded, then crashes; at load ~25 on
+      2 cores they took longer (measured)."""
+    import ray._private.utils
     from ray._private import services
 
-    original = services.get_node
+    original, dependencies = services.get_node, ray._private.utils.get_dashboard_dependency_error
 
     def get_node(gcs_address: str, node_id: str) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -98,10 +102,12 @@ def patient_node_start(timeout_s: float = NODE_START_TIMEOUT_S) -> Iterator[None
                 time.sleep(0.5)
 
     services.get_node = get_node
+    ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("tests: minimal")
     try:
         yield
     finally:
         services.get_node = original
+        ray._private.utils.get_dashboard_dependency_error = dependencies
 
 
 @contextlib.contextmanager
