@@ -148,7 +148,7 @@ def ray_run(extra: int, base_s: float) -> dict[str, Any]:
     tree["elastic"]["schedule"] = [
         {"at_s": WINDOW[0] * base_s, "join": temp | {"name": f"temp-{i}"}} for i in range(extra)
     ] + [{"at_s": WINDOW[1] * base_s, "leave": f"temp-{i}"} for i in range(extra)]
-    return run_training(build_config(tree, f"scavenging on Ray +{extra}"), progress=print)
+    return run_training(build_config(tree, f"scavenging on Ray +{extra}"))
 
 
 def ray_rows() -> list[dict[str, Any]]:

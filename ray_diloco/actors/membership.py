@@ -67,7 +67,10 @@ class Scavenger:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop, and wait for a probe in flight: a placement group left pending by a probe
+        would grab the next free node long after the run (it belongs to the job)."""
         self._stop.set()
+        self._thread.join(timeout=10 * PROBE_TIMEOUT_S)
 
     def _name(self, template: LearnerGroupConfig) -> str:
         """The template's next free name; a number is used up only by a learner that joined."""
