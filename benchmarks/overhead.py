@@ -121,7 +121,7 @@ def merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, fl
                     k: rng.normal(0.0, 1e-3, np.shape(setup.init[k])).astype(np.float32)
                     for k in paths
                 }
-                meta = ContributionMeta(n, 0, p, base, base * steps, steps, tokens)
+                meta = ContributionMeta(n, 0, p, base, (base + 1) * steps, steps, tokens)
                 sync.offer(meta, wire.encode_tree(delta, cfg.diloco.wire_dtype), now)
         now += 1e6  # past every grace window: each fragment's round closes with all learners
         for close in sync.close_due(now):

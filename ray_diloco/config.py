@@ -76,6 +76,9 @@ class DilocoConfig(_Frozen):
     publish_to: Literal["all", "contributors"] = "all"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
+    # The norm guard refuses a contribution whose own update per inner step is more than
+    # `norm_guard` times the fragment's median (algorithm.md section 7); it judges only updates
+    # taken after the inner warm-up, once the fragment closed `norm_guard_warmup_rounds` rounds.
     norm_guard: float = Field(10.0, gt=1)
     norm_guard_warmup_rounds: int = Field(5, ge=0)
     wire_dtype: WireDtype = "bfloat16"

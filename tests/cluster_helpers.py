@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -77,7 +78,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def patient_node_start(timeout_s: float = NODE_START_TIMEOUT_S) -> Iterator[None]:
+def patient_node_start(
+    timeout_s: float = NODE_START_TIMEOUT_S, minimal_agent: bool = True
+) -> Iterator[None]:
     """Let a node started inside the block come up on a busy machine (tests only):
 
     - its registration may take up to `timeout_s`: Ray's own wait (`ray._private.node.Node`,
@@ -85,7 +88,12 @@ def patient_node_start(timeout_s: float = NODE_START_TIMEOUT_S) -> Iterator[None
     - its dashboard agent runs `--minimal` (no HTTP server, no dashboard modules, which the
       tests never use): the raylet waits 15 s (hard-coded in Ray 2.60) for the agent's
       listen port, written only once those modules loaded, then crashes; at load ~25 on
-      2 cores they took longer (measured)."""
+      2 cores they took longer (measured). `minimal_agent=False` keeps the full agent (it
+      serves the metrics export port that tests/ray scrapes) and chooses its metrics and
+      runtime-env agent ports up front instead, so the raylet does not wait for those files
+      (`ray.init` takes no such ports; measured: at load 40 on 2 cores the raylet crashed
+      waiting for metrics_agent_port)."""
+    import ray._private.node
     import ray._private.utils
     from ray._private import services
 
@@ -101,13 +109,24 @@ def patient_node_start(timeout_s: float = NODE_START_TIMEOUT_S) -> Iterator[None
                     raise
                 time.sleep(0.5)
 
+    node_init = ray._private.node.Node.__init__
+
+    def init_with_agent_ports(self: Any, ray_params: Any, *args: Any, **kwargs: Any) -> None:
+        ray_params.metrics_agent_port = ray_params.metrics_agent_port or free_port()
+        ray_params.runtime_env_agent_port = ray_params.runtime_env_agent_port or free_port()
+        node_init(self, ray_params, *args, **kwargs)
+
     services.get_node = get_node
-    ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("tests: minimal")
+    if minimal_agent:
+        ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("tests: minimal")
+    else:
+        ray._private.node.Node.__init__ = init_with_agent_ports  # type: ignore[method-assign]
     try:
         yield
     finally:
         services.get_node = original
         ray._private.utils.get_dashboard_dependency_error = dependencies
+        ray._private.node.Node.__init__ = node_init  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -312,3 +331,20 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
         cluster.shutdown()
         raise
     return cluster
+
+
+def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 20.0) -> str:
+    """The local node's Prometheus text once `wanted(text)` holds (metrics arrive every
+    report interval); the last text read if it never does."""
+    url, text = f"http://127.0.0.1:{port}/metrics", ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            text = ""
+        if wanted(text):
+            break
+        time.sleep(0.5)
+    return text

@@ -40,7 +40,8 @@ from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.version_mark import VersionMark
-from ray_diloco.algorithm.wire import tree_bytes
+from ray_diloco.algorithm.rounds import Verdict
+from ray_diloco.algorithm.wire import offered_bytes, tree_bytes
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
 from ray_diloco.log import setup_logging
@@ -118,16 +119,21 @@ class Synchronizer:
         host_handles: list[Any],
         region: str = LOCAL_REGION,
         held: tuple[list[tuple[int, int, int]], int, int] | None = None,
+        batch_size: int | None = None,
     ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
         latest published version of every fragment, its data (cursor, offset into the first
         lease, leases) and the fragment plan (one source for every learner). `held`: what a
-        learner that kept training through this synchronizer's restore already holds."""
+        learner that kept training through this synchronizer's restore already holds.
+        `batch_size`: its examples per step, which bound the tokens its contributions claim."""
         from ray_diloco.algorithm.leases import Lease
 
         with self._lock:
             kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
-            a = self.core.register(learner, incarnation, self._now(), kept)
+            per_step = None
+            if batch_size is not None:
+                per_step = batch_size * self.setup.task.data.tokens_per_example
+            a = self.core.register(learner, incarnation, self._now(), kept, per_step)
             self._mark_leases()
             self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
             self.hosts[learner] = list(host_handles)
@@ -257,17 +263,21 @@ class Synchronizer:
             self._publish(meta.fragment, *newest, behind)
         self._wake.set()
         region = self.regions.get(meta.learner, LOCAL_REGION)
-        self.metrics.link_bytes(meta.learner, region, "up", tree_bytes(delta))
+        self.metrics.link_bytes(meta.learner, region, "up", offered_bytes(delta))
         if verdict.value != "accepted":
-            self.metrics.contribution_rejected(meta.learner, verdict.value)
             with self._lock:
-                self.journal.record(
-                    ContributionRejected(
-                        time.time(), meta.learner, meta.incarnation, meta.fragment, verdict.value
-                    )
-                )
-            logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, verdict)
+                self._record_rejection(meta, verdict)
         return verdict.value
+
+    def _record_rejection(self, meta: ContributionMeta, verdict: Verdict) -> None:
+        """On the tape and in the metrics (call with the lock held)."""
+        self.metrics.contribution_rejected(meta.learner, verdict.value)
+        self.journal.record(
+            ContributionRejected(
+                time.time(), meta.learner, meta.incarnation, meta.fragment, verdict.value
+            )
+        )
+        logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, verdict)
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:
@@ -353,7 +363,9 @@ class Synchronizer:
                     self.core.book.abort(close, self._now())
                 continue
             with self._lock:
-                self.core.commit(pub, self._now())
+                late = self.core.commit(pub, self._now())
+                for meta in late:  # late_policy: drop
+                    self._record_rejection(meta, Verdict.LATE)
                 for c in close.contributions:
                     self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
                 if self.versions_mark is not None:  # before the version leaves this process

@@ -27,7 +27,7 @@ from typing import Any
 
 from ray_diloco.config import DilocoConfig, SynchronizerConfig
 
-NORM_HISTORY = 32  # accepted outer-gradient norms kept per fragment for the running median
+NORM_HISTORY = 32  # accepted per-step update norms kept per fragment for the running median
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,15 @@ class RoundPolicy:
     heartbeat_timeout_s: float
     step_time_ema: float
     everyone: bool = False  # K is every learner in the run (synchronous mode's barrier)
+    inner_warmup_steps: int = 0  # the norm guard judges only updates taken after these
 
     @classmethod
     def from_config(
-        cls, diloco: DilocoConfig, sync: SynchronizerConfig, num_learners: int
+        cls,
+        diloco: DilocoConfig,
+        sync: SynchronizerConfig,
+        num_learners: int,
+        inner_warmup_steps: int = 0,
     ) -> RoundPolicy:
         # Synchronous mode (algorithm.md section 8): K = M and no grace, i.e. a barrier.
         synchronous = diloco.mode == "synchronous"
@@ -64,6 +69,7 @@ class RoundPolicy:
             heartbeat_timeout_s=sync.heartbeat_timeout_s,
             step_time_ema=sync.step_time_ema,
             everyone=synchronous,
+            inner_warmup_steps=inner_warmup_steps,
         )
 
 
@@ -89,7 +95,10 @@ class Verdict(enum.StrEnum):
     EMPTY = "empty"
     NON_FINITE = "non_finite"
     NORM_OUTLIER = "norm_outlier"
-    MALFORMED = "malformed"
+    MALFORMED = "malformed"  # wrong leaves, shapes, encoding or fragment index
+    IMPLAUSIBLE = "implausible"  # more steps or tokens than the learner can have trained
+    REPLAYED = "replayed"  # no newer than a contribution of this incarnation already merged
+    LATE = "late"  # late_policy: drop, and it arrived while its round was merging
 
 
 @dataclass
@@ -129,11 +138,12 @@ class _FragmentState:
     quorum_s: float | None = None
     grace_s: float = 0.0
     merging: bool = False
+    # Per-step norms of accepted updates taken after the inner warm-up (the guard's median).
     norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
-    # learner -> (base version, steps, tokens) of its counters already merged on that base,
-    # and what they were before the round now merging (restored if the merge is aborted).
-    merged: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    undo: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
+    # learner -> (base version, steps, tokens, step) of its counters already merged on that
+    # base, and what they were before the round now merging (restored if the merge is aborted).
+    merged: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    undo: dict[str, tuple[int, int, int, int] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -177,7 +187,22 @@ class RoundBook:
             self.roster.add(learner)
         for frag in self.fragments:  # the new incarnation adopts every fragment afresh
             frag.merged.pop(learner, None)
+            old_entry = frag.pending.get(learner)
+            if old_entry is not None and old_entry.meta.incarnation != incarnation:
+                # Work of the old process not merged yet: the learner resumes from the data
+                # cursor the ledger holds (merged work only), so it trains that data again;
+                # merging the old entry too would count it twice.
+                del frag.pending[learner]
+                self._reopen(frag, now)
         return self.versions()
+
+    def _reopen(self, frag: _FragmentState, now: float) -> None:
+        """The pending set of `frag` lost an entry: its round's opening and quorum follow."""
+        frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
+        if frag.quorum_s is not None and len(frag.pending) < self.quorum():
+            frag.quorum_s, frag.grace_s = None, 0.0
+        if frag.pending and not frag.merging:
+            self._maybe_reach_quorum(frag, now)
 
     def heartbeat(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None
@@ -240,11 +265,12 @@ class RoundBook:
         now: float,
         *,
         finite: bool = True,
-        outer_grad_norm: float | None = None,
+        update_norm: float | None = None,
         payload: Any = None,
     ) -> Verdict:
-        """Fence and guard a contribution, then add it to its fragment's pending set."""
-        verdict = self._check(meta, finite, outer_grad_norm)
+        """Fence and guard a contribution, then add it to its fragment's pending set.
+        `update_norm`: the L2 norm of the learner's own update (theta minus its base)."""
+        verdict = self._check(meta, finite, update_norm)
         if verdict is not Verdict.ACCEPTED:
             return verdict
         frag = self.fragments[meta.fragment]
@@ -257,8 +283,8 @@ class RoundBook:
             steps, tokens = steps - done[1], tokens - done[2]
             if steps <= 0 or tokens <= 0:
                 return Verdict.EMPTY
-        if outer_grad_norm is not None:
-            frag.norms.append(outer_grad_norm)
+        if update_norm is not None and self._after_warmup(meta):
+            frag.norms.append(update_norm / meta.num_steps)
         old = frag.pending.get(meta.learner)
         if old is not None and old.meta.base_version < meta.base_version:
             # The learner's counters restart when it adopts a new version, so work in an entry
@@ -289,16 +315,26 @@ class RoundBook:
             return Verdict.STALE_VERSION
         if meta.num_steps <= 0 or meta.num_tokens <= 0:
             return Verdict.EMPTY
-        # The warm-up counts closed rounds of this fragment, not stored norms: with M learners
-        # one round adds M norms, and norms still grow ~10x while the inner learning rate warms
-        # up, so counting norms rejected honest contributions in round 2 (and, in synchronous
-        # mode, left every learner blocked on a round that could never reach K = M).
+        done = frag.merged.get(meta.learner)
+        if done is not None and meta.step <= done[3]:
+            # This incarnation's steps only grow: an offer no newer than merged work is a
+            # replay (resent or duplicated), and merging it would count its tokens twice.
+            return Verdict.REPLAYED
+        # The guard judges the learner's own update per step (algorithm.md section 7): the
+        # distance to the current global value includes other learners' drift, and a long
+        # contribution's update is longer by construction. Armed only for updates taken after
+        # the inner learning-rate warm-up (per-step updates grow ~10x during it) and once the
+        # fragment closed `norm_guard_warmup_rounds` rounds.
         warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
-        if norm is not None and warm and frag.norms:
+        if norm is not None and warm and frag.norms and self._after_warmup(meta):
             median = statistics.median(frag.norms)
-            if median > 0 and norm > self.policy.norm_guard * median:
+            if median > 0 and norm / meta.num_steps > self.policy.norm_guard * median:
                 return Verdict.NORM_OUTLIER
         return Verdict.ACCEPTED
+
+    def _after_warmup(self, meta: ContributionMeta) -> bool:
+        """Every step of the contribution came after the inner learning-rate warm-up."""
+        return meta.step - meta.num_steps >= self.policy.inner_warmup_steps
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
         if frag.quorum_s is not None or len(frag.pending) < self.quorum():
@@ -353,6 +389,7 @@ class RoundBook:
                 e.meta.base_version,
                 e.meta.num_steps,
                 e.meta.num_tokens,
+                e.meta.step,
             )
         frag.pending = {}
         frag.opened_s = frag.quorum_s = None
@@ -360,23 +397,26 @@ class RoundBook:
         frag.merging = True
         return close
 
-    def commit(self, close: RoundClose, sync_time_s: float, now: float) -> int:
-        """The caller merged and published `close`: bump the version and learn the sync time."""
+    def commit(self, close: RoundClose, sync_time_s: float, now: float) -> list[Pending]:
+        """The caller merged and published `close`: bump the version and learn the sync time.
+        Returns the contributions dropped as late (`late_policy: drop`): refusals to count."""
         frag = self.fragments[close.fragment]
         frag.version = close.version
         frag.merging = False
         frag.undo = {}
         a = self.policy.step_time_ema
         self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
+        late: list[Pending] = []
         if self.policy.late_policy == "drop":
             # Contributions that arrived while their round was merging are late: drop them.
-            kept = {k: e for k, e in frag.pending.items() if e.meta.base_version >= frag.version}
-            if len(kept) != len(frag.pending):
-                frag.pending = kept
-                frag.opened_s = min((e.arrived_s for e in kept.values()), default=None)
-                frag.quorum_s = None
+            late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
+            for e in late:
+                del frag.pending[e.meta.learner]
+            if late:
+                frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
+                frag.quorum_s, frag.grace_s = None, 0.0
         self._maybe_reach_quorum(frag, now)
-        return frag.version
+        return late
 
     def abort(self, close: RoundClose, now: float) -> None:
         """Merging failed: put the contributions back so no work is forgotten."""

@@ -37,6 +37,18 @@ CATCH_UP = frozenset(
 )
 
 
+def _decode(delta: Mapping[str, Any]) -> Values | None:
+    """The decoded leaves, or None when `delta` is not a well-formed encoded fragment."""
+    if not isinstance(delta, Mapping) or not all(
+        isinstance(e, wire.Encoded) for e in delta.values()
+    ):
+        return None
+    try:
+        return wire.decode_tree(delta)
+    except ValueError:  # unknown dtype, or bytes that do not match the declared shape
+        return None
+
+
 @dataclass(frozen=True)
 class Admission:
     """What a registered learner starts from: fragment versions, its leases of the data (the
@@ -68,7 +80,9 @@ class SynchronizerCore:
         self.cfg = cfg
         self.plan = plan
         self.book = RoundBook(
-            RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
+            RoundPolicy.from_config(
+                cfg.diloco, cfg.synchronizer, cfg.num_learners, cfg.inner.warmup_steps
+            ),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
             roster={lg.name for lg in cfg.learners},
@@ -88,6 +102,7 @@ class SynchronizerCore:
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.rejected_tokens = 0
+        self.tokens_per_step: dict[str, int] = {}  # learner -> tokens one inner step reads
 
     # -- learners -----------------------------------------------------------------------------
 
@@ -97,11 +112,15 @@ class SynchronizerCore:
         incarnation: int,
         now: float,
         held: tuple[list[Lease], int, int] | None = None,
+        tokens_per_step: int | None = None,
     ) -> Admission:
         """Admit `incarnation` of `learner` (fencing older ones): the versions it adopts and
         the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
-        cursor) of a learner that kept training through a synchronizer restore."""
+        cursor) of a learner that kept training through a synchronizer restore;
+        `tokens_per_step`: what one of its inner steps reads (bounds its claimed tokens)."""
         versions = self.book.register(learner, incarnation, now)
+        if tokens_per_step is not None:
+            self.tokens_per_step[learner] = tokens_per_step
         if held is not None:
             self.ledger.pool.reclaim(learner, *held)
             acct = self.ledger.account(learner)
@@ -136,11 +155,19 @@ class SynchronizerCore:
     def offer(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float
     ) -> Verdict:
-        """Take a contribution: `delta` is theta minus the published value of its base version."""
-        self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
+        """Take a contribution: `delta` is theta minus the published value of its base version.
+        A broken or malicious one (wrong fragment, leaves, shapes or encoding, more steps or
+        tokens than possible, a replay) is refused and changes neither model nor ledger."""
+        self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.offered_bytes(delta)
+        if not 0 <= meta.fragment < len(self.published):
+            return self._reject(Verdict.MALFORMED, meta)
+        if self._implausible(meta):
+            return self._reject(Verdict.IMPLAUSIBLE, meta)
         hist = self.published[meta.fragment]
         base = hist.get(meta.base_version)
-        decoded = wire.decode_tree(delta)
+        decoded = _decode(delta)
+        if decoded is None:
+            return self._reject(Verdict.MALFORMED, meta)
         if base is None:
             if not merge.all_finite(decoded):  # reported as non-finite whatever its version
                 return self._reject(self.book.offer(meta, now, finite=False), meta)
@@ -148,17 +175,29 @@ class SynchronizerCore:
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
             return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
-        if set(delta) != set(base):
+        if set(decoded) != set(base) or any(decoded[k].shape != base[k].shape for k in base):
             return self._reject(Verdict.MALFORMED, meta)
         theta = {k: base[k] + d for k, d in decoded.items()}
         finite = merge.all_finite(theta)
-        norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
-        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)
+        norm = merge.outer_grad_norm(base, theta) if finite else None  # its own update
+        verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=theta)
         return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
+
+    def _implausible(self, meta: ContributionMeta) -> bool:
+        """More steps since its base than the learner took in all, or more tokens than its
+        steps can read."""
+        per_step = self.tokens_per_step.get(meta.learner)
+        too_many_tokens = per_step is not None and meta.num_tokens > meta.num_steps * per_step
+        return meta.num_steps > meta.step or too_many_tokens
 
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
-        self.rejected_tokens += meta.num_tokens
+        # A claim of absurd size is not work lost: count what its steps could have read.
+        per_step = self.tokens_per_step.get(meta.learner)
+        tokens = (
+            meta.num_tokens if per_step is None else min(meta.num_tokens, meta.num_steps * per_step)
+        )
+        self.rejected_tokens += max(0, tokens)
         return verdict
 
     # -- rounds -------------------------------------------------------------------------------
@@ -199,9 +238,14 @@ class SynchronizerCore:
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, encoded, close, elapsed)
 
-    def commit(self, pub: Publication, now: float) -> None:
+    def commit(self, pub: Publication, now: float) -> list[ContributionMeta]:
+        """Account the merged round; returns the contributions dropped as late
+        (`late_policy: drop`), counted as refused."""
         self.ledger.record_merge(pub.close)
-        self.book.commit(pub.close, pub.sync_time_s, now)
+        late = self.book.commit(pub.close, pub.sync_time_s, now)
+        for entry in late:
+            self._reject(Verdict.LATE, entry.meta)
+        return [entry.meta for entry in late]
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -163,6 +164,14 @@ def decode_tree(encoded: Mapping[str, Encoded]) -> dict[str, np.ndarray]:
 def tree_bytes(encoded: Mapping[str, Encoded]) -> int:
     """Bytes an encoded fragment puts on the wire."""
     return sum(enc.nbytes for enc in encoded.values())
+
+
+def offered_bytes(delta: Any) -> int:
+    """Bytes a contribution put on the wire; 0 for what is not an encoded fragment (a broken
+    learner's offer is refused, never a crash of the synchronizer)."""
+    if not isinstance(delta, Mapping):
+        return 0
+    return sum(e.nbytes for e in delta.values() if isinstance(e, Encoded))
 
 
 def tree_wire_bytes(leaf_sizes: Mapping[str, int], dtype: WireDtype, block_size: int = 64) -> int:
