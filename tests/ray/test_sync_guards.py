@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from ray_diloco.config import load_config
 from tests.cluster_helpers import scrape_metrics
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
 
 
+@pytest.mark.timeout(900)  # a busy machine: Ray's start and the actor's boot (as the driver)
 def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
     ray_local: Any, tmp_path: Path
 ) -> None:
@@ -25,6 +27,7 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
     from ray_diloco.actors.synchronizer import get_or_create_synchronizer
     from ray_diloco.algorithm import wire
     from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.driver import SYNC_START_TIMEOUT_S
 
     overrides = [
         f"run_dir={tmp_path}",
@@ -36,7 +39,8 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
     cfg = load_config(str(TINY), overrides)
     sync = get_or_create_synchronizer(cfg)
     try:
-        reply = ray.get(sync.register.remote("a", 0, [], "local", None, 8), timeout=120)
+        register = sync.register.remote("a", 0, [], "local", None, 8)
+        reply = ray.get(register, timeout=SYNC_START_TIMEOUT_S)  # the actor builds its setup
         _, values = reply["snapshot"][0]
         good = wire.encode_tree({k: np.full_like(v, 0.01) for k, v in values.items()}, "bfloat16")
         name = next(iter(values))
