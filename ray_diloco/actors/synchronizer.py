@@ -153,15 +153,19 @@ class Synchronizer:
         the quorum, its unread data back to the pool. Returns the tokens given back."""
         with self._lock:
             back = self.core.leave(learner, self._now())
+            self._mark_leases()
             self.hosts.pop(learner, None)
         self._wake.set()  # rounds that only waited for it may close now
-        logger.info("learner %s left; %d unread tokens back to the pool", learner, len(back))
-        return sum(lease.size for lease in back)
+        tokens = sum(lease.size for lease in back)
+        logger.info("learner %s left; %d unread tokens back to the pool", learner, tokens)
+        return tokens
 
     def _mark_leases(self) -> None:
-        """Persist the pool's frontiers before leases leave this process (under the lock)."""
+        """Persist the pool's frontiers and holders before leases leave this process and when
+        a learner leaves (under the lock)."""
         if self.versions_mark is not None:
-            self.versions_mark.update(frontier=self.core.ledger.pool.frontier)
+            pool = self.core.ledger.pool
+            self.versions_mark.update(frontier=pool.frontier, holders=list(pool.holders))
 
     @ray.method(concurrency_group="control")
     def report(
@@ -441,9 +445,9 @@ class Synchronizer:
         """Number restored fragments above every version published before a restart (the
         mark survives the checkpoints' gap), so versions never go backwards."""
         self.versions_mark = VersionMark(checkpoint_dir(self.cfg))
-        versions, frontier = self.versions_mark.load()
-        self.core.ledger.pool.raise_frontiers(frontier)
-        lost = self.core.resume_versions(versions)
+        mark = self.versions_mark.load()
+        self.core.ledger.pool.restore_mark(mark.frontier, mark.holders)
+        lost = self.core.resume_versions(mark.versions)
         if lost:
             base = self.restored or {
                 "versions": {},

@@ -1,15 +1,16 @@
 """Layer: actors (Ray shell; this module itself is plain Python). The synchronizer's
-high-water marks, on disk: the highest version of each fragment it ever published, and how far
-into each part of the data it ever leased (algorithm/leases.py).
+high-water marks, on disk: the highest version of each fragment it ever published, how far
+into each part of the data it ever leased and who held leases then (algorithm/leases.py).
 
 Checkpoints are taken every `checkpoint_every_rounds` rounds, so a synchronizer that dies
 publishes versions its checkpoint does not hold. Rewriting this small JSON file at every commit
 (write to a temporary file, then an atomic rename) lets the reconstructed synchronizer number
 its restored fragments above everything learners may have seen
 (`SynchronizerCore.resume_versions`): versions never go backwards and the lost rounds are
-counted; restoring the data pool's frontiers to the mark means no range handed out after the
-checkpoint is ever handed out again. It lives inside the checkpoint directory (Orbax ignores
-files that are not step directories), so it disappears with the checkpoints of a finished run.
+counted; restoring the data pool with the mark (`DataPool.restore_mark`) means a range handed
+out after the checkpoint is handed out again only once nobody can hold it. It lives inside
+the checkpoint directory (Orbax ignores files that are not step directories), so it disappears
+with the checkpoints of a finished run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -25,32 +27,47 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "versions.json"
 
 
+@dataclass
+class Mark:
+    versions: dict[int, int] = field(default_factory=dict)  # fragment -> newest published
+    frontier: list[int] = field(default_factory=list)  # per data part: first token never leased
+    holders: list[str] = field(default_factory=list)  # learners holding leases
+
+
 class VersionMark:
     def __init__(self, directory: str | Path) -> None:
         self.path = Path(directory) / FILE_NAME
         self._tmp = self.path.with_suffix(".tmp")
-        self._versions, self._frontier = self.load()
+        self._mark = self.load()
 
     def update(
-        self, versions: Mapping[int, int] | None = None, frontier: list[int] | None = None
+        self,
+        versions: Mapping[int, int] | None = None,
+        frontier: list[int] | None = None,
+        holders: list[str] | None = None,
     ) -> None:
         """Record the versions just published (call before the publication leaves) and/or
-        the data pool's frontiers (call before the leases leave)."""
+        the data pool's frontiers and holders (call before leases leave, and at a leave)."""
+        m = self._mark
         if versions is not None:
-            self._versions = {int(p): int(v) for p, v in versions.items()}
+            m.versions = {int(p): int(v) for p, v in versions.items()}
         if frontier is not None:
-            self._frontier = [int(f) for f in frontier]
-        mark = {"versions": {str(p): v for p, v in self._versions.items()}}
-        self._tmp.write_text(json.dumps(mark | {"frontier": self._frontier}))
+            m.frontier = [int(f) for f in frontier]
+        if holders is not None:
+            m.holders = sorted(holders)
+        versions_out = {str(p): v for p, v in m.versions.items()}
+        body = {"versions": versions_out, "frontier": m.frontier, "holders": m.holders}
+        self._tmp.write_text(json.dumps(body))
         os.replace(self._tmp, self.path)
 
-    def load(self) -> tuple[dict[int, int], list[int]]:
-        """The recorded versions and frontiers; empty when there is no (readable) mark."""
+    def load(self) -> Mark:
+        """The recorded mark; empty when there is no (readable) mark."""
         try:
             raw = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return {}, []
+            return Mark()
         except (OSError, ValueError) as err:
             logger.warning("ignoring unreadable version mark %s: %s", self.path, err)
-            return {}, []
-        return {int(p): int(v) for p, v in raw["versions"].items()}, raw.get("frontier", [])
+            return Mark()
+        versions = {int(p): int(v) for p, v in raw["versions"].items()}
+        return Mark(versions, raw.get("frontier", []), raw.get("holders", []))

@@ -14,8 +14,15 @@ Rules, in this order, when a learner needs more data:
      so a run whose learners never change reads exactly the fixed shards of a static run;
   3. a learner without one (it joined later) takes the least advanced part.
 A restarted learner keeps its leases (it resumes at its cursor); a learner that leaves gives
-back what it has not consumed. `check()` proves the books: per part, consumed, held and
-returned ranges are disjoint and cover everything below the frontier.
+back what it has not consumed. `check()` proves the books: per part, consumed, held, returned
+and doubtful ranges are disjoint and cover everything below the frontier.
+
+A synchronizer that restarts from a checkpoint knows the pool as it was then, and a small mark
+(`restore_mark`: the frontiers and holders persisted whenever leases leave the process) of what
+happened since. Ranges leased after the checkpoint are *in doubt*: a learner that survived holds
+them and states so when it registers again (`reclaim`), one that died with the run never reads
+them. They are handed out again (as returned ranges) only once every learner of the mark has
+registered or left, so no token is read twice and none is lost.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class DataPool:
         self.returned: list[Lease] = []
         self.holders: dict[str, _Holder] = {}
         self.consumed: list[Lease] = []  # fully read ranges (for `check`)
+        self.doubtful: list[Lease] = []  # leased after the checkpoint restored (see module doc)
+        self.pending: set[str] = set()  # learners of the mark not registered since the restore
 
     # -- learners -------------------------------------------------------------------------------
 
@@ -71,6 +80,7 @@ class DataPool:
             if home is not None and not 0 <= home < self.num_parts:
                 raise ValueError(f"home part {home} not in [0, {self.num_parts})")
             holder = self.holders[learner] = _Holder(home=home)
+        self._settle(learner)
         self._top_up(holder)
         return list(holder.leases), holder.cursor - holder.base
 
@@ -79,16 +89,31 @@ class DataPool:
         its leases (the first `offset` tokens read) and cursor, which the restored books may
         not know yet. Frontiers move past them, so they are never handed out again."""
         holder = self.holders.setdefault(learner, _Holder())
+        for old in holder.leases:  # what it held at the checkpoint and has read since
+            for piece in _minus(old, leases):
+                self._consume(piece)
+        self.returned = [p for r in self.returned for p in _minus(r, leases)]
+        self.doubtful = [p for r in self.doubtful for p in _minus(r, leases)]
         holder.leases = deque(leases)
         holder.cursor, holder.base = cursor, cursor - offset
         for lease in leases:
             self.frontier[lease.part] = max(self.frontier[lease.part], lease.end)
 
-    def raise_frontiers(self, frontier: list[int]) -> None:
-        """Never hand out a range below `frontier` again (the persisted mark of a
-        synchronizer that died after its last checkpoint)."""
+    def restore_mark(self, frontier: list[int], holders: list[str]) -> None:
+        """After `load_state_dict` from a checkpoint: the persisted mark of the pool as the
+        previous synchronizer last handed data out. Learners it no longer counted left since
+        the checkpoint; ranges between the checkpoint's frontiers and the mark's are in doubt
+        until every learner of the mark registered again or left."""
+        if not frontier:  # no mark: nothing was handed out after the checkpoint
+            return
+        for learner in [h for h in self.holders if h not in holders]:
+            self.leave(learner)
         for part, edge in enumerate(frontier[: self.num_parts]):
-            self.frontier[part] = max(self.frontier[part], int(edge))
+            if edge > self.frontier[part]:
+                self.doubtful.append(Lease(part, self.frontier[part], int(edge)))
+                self.frontier[part] = int(edge)
+        self.pending = set(holders)
+        self._settle(None)  # with nobody holding data at the mark, nothing is in doubt
 
     def advance(self, learner: str, cursor: int) -> list[Lease]:
         """A progress report: `learner` consumed up to `cursor`. Returns the leases added to
@@ -108,7 +133,10 @@ class DataPool:
 
     def leave(self, learner: str) -> list[Lease]:
         """`learner` leaves for good: what it has not consumed goes back to the pool."""
-        holder = self.holders.pop(learner)
+        holder = self.holders.pop(learner, None)
+        self._settle(learner)
+        if holder is None:  # it never registered with this synchronizer
+            return []
         back: list[Lease] = []
         offset = holder.cursor - holder.base
         for lease in holder.leases:
@@ -128,6 +156,15 @@ class DataPool:
             self.consumed[-1] = Lease(last.part, last.start, lease.end)  # keep the books short
         else:
             self.consumed.append(lease)
+
+    def _settle(self, learner: str | None) -> None:
+        """`learner` registered or left since a restore: once all of the mark did, nobody
+        can still hold a doubtful range, and they are handed out again."""
+        if learner is not None:
+            self.pending.discard(learner)
+        if not self.pending and self.doubtful:
+            self.returned = sorted([*self.returned, *self.doubtful], key=Lease.as_tuple)
+            self.doubtful = []
 
     def cursor(self, learner: str) -> int:
         holder = self.holders.get(learner)
@@ -167,10 +204,11 @@ class DataPool:
     # -- books ----------------------------------------------------------------------------------
 
     def check(self) -> list[str]:
-        """Per part, consumed + held + returned ranges must be disjoint and cover [0, frontier):
-        no token read twice, none lost. Returns what is wrong (empty when the books balance)."""
+        """Per part, consumed + held + returned + doubtful ranges must be disjoint and cover
+        [0, frontier): no token read twice, none lost. Returns what is wrong (empty when the
+        books balance)."""
         ranges: dict[int, list[tuple[int, int]]] = {p: [] for p in range(self.num_parts)}
-        for lease in [*self.consumed, *self.returned]:
+        for lease in [*self.consumed, *self.returned, *self.doubtful]:
             ranges[lease.part].append((lease.start, lease.end))
         for holder in self.holders.values():
             for lease in holder.leases:
@@ -193,6 +231,8 @@ class DataPool:
             "frontier": list(self.frontier),
             "returned": [r.as_tuple() for r in self.returned],
             "consumed": [r.as_tuple() for r in self.consumed],
+            "doubtful": [r.as_tuple() for r in self.doubtful],
+            "pending": sorted(self.pending),
             "holders": {
                 name: {
                     "leases": [r.as_tuple() for r in h.leases],
@@ -208,6 +248,8 @@ class DataPool:
         self.frontier = [int(f) for f in state["frontier"]]
         self.returned = [Lease(*map(int, r)) for r in state["returned"]]
         self.consumed = [Lease(*map(int, r)) for r in state["consumed"]]
+        self.doubtful = [Lease(*map(int, r)) for r in state.get("doubtful", [])]
+        self.pending = set(state.get("pending", []))
         self.holders = {
             name: _Holder(
                 leases=deque(Lease(*map(int, r)) for r in h["leases"]),
@@ -217,3 +259,20 @@ class DataPool:
             )
             for name, h in state["holders"].items()
         }
+
+
+def _minus(lease: Lease, others: list[Lease]) -> list[Lease]:
+    """The parts of `lease` no lease of `others` covers."""
+    pieces = [lease]
+    for o in others:
+        pieces = [
+            piece
+            for p in pieces
+            for piece in (
+                [p]
+                if o.part != p.part or o.end <= p.start or o.start >= p.end
+                else [Lease(p.part, p.start, o.start), Lease(p.part, o.end, p.end)]
+            )
+            if piece.size > 0
+        ]
+    return pieces

@@ -46,7 +46,7 @@ class TokenLedger:
 
     def leave(self, learner: str) -> list[Lease]:
         """A learner left for good: its unread leases go back to the pool."""
-        return self.pool.leave(learner) if learner in self.pool.holders else []
+        return self.pool.leave(learner)
 
     def record_merge(self, close: RoundClose) -> None:
         for c in close.contributions:

@@ -80,7 +80,7 @@ def test_classify_constructed_errors(exc: BaseException, kind: str) -> None:
 @pytest.mark.timeout(30)
 def test_metrics_module_never_imports_ray() -> None:
     code = (
-        "import sys; from ray_diloco.metrics import Metrics; m = Metrics.create(True); "
+        "import sys; from ray_diloco.metrics import Metrics; m = Metrics.create(True, 'r'); "
         "m.tokens('a', 5); m.heldout_loss(1.0); assert not m.enabled; "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )
@@ -107,7 +107,7 @@ class _Probe:
         os._exit(1)  # a hard process death, as a segfault or the OOM killer would cause
 
     def count_tokens(self, learner: str, n: int) -> bool:
-        self.metrics = Metrics.create(True)  # kept alive with the actor
+        self.metrics = Metrics.create(True, "probe")  # kept alive with the actor
         self.metrics.tokens(learner, n)
         self.metrics.step_time(learner, 0.05)
         return self.metrics.enabled
@@ -183,13 +183,14 @@ def test_classify_real_dead_and_slow_actors(ray_local: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_counter_reaches_prometheus_endpoint(ray_local: Any) -> None:
-    assert not Metrics.create(False).enabled
+    assert not Metrics.create(False, "probe").enabled
     actor = Probe.remote()
     assert ray.get(actor.count_tokens.remote("L0", 128), timeout=30)
     port = ray_local.metrics_export_port
     text = scrape_metrics(port, lambda text: "ray_diloco_tokens_total" in text)
     lines = [ln for ln in text.splitlines() if ln.startswith("ray_diloco_tokens_total{")]
     assert lines, f"ray_diloco_tokens_total not exported on port {port}"
-    assert 'learner="L0"' in lines[0] and float(lines[0].rsplit(" ", 1)[1]) == 128.0
+    assert 'learner="L0"' in lines[0] and 'run="probe"' in lines[0]
+    assert float(lines[0].rsplit(" ", 1)[1]) == 128.0
     assert "ray_diloco_inner_step_seconds_bucket" in text
     ray.kill(actor)

@@ -184,7 +184,7 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
                     proc.kill()
             _, alive = psutil.wait_procs(cluster, timeout=30)
     assert not alive, f"processes of the killed cluster still alive: {alive}"
-    published = mark.load()  # every version a learner may have seen
+    published = mark.load().versions  # every version a learner may have seen
     assert not (Path(cfg.run_dir) / "summary.json").exists()
     checkpoint = max(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
 
@@ -226,7 +226,7 @@ def _wait_for_rounds_past_a_checkpoint(
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the first session ended before it was killed"
         steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()]
-        if steps and sum(mark.load().values()) >= max(steps) + 2:
+        if steps and sum(mark.load().versions.values()) >= max(steps) + 2:
             return
         time.sleep(0.05)
     raise AssertionError(f"no rounds past a checkpoint in {ckpt_dir} after {timeout_s} s")

@@ -41,13 +41,13 @@ def test_armed_corruption_hits_the_next_offer_once_and_straggler_window_ends():
 
 
 def test_version_mark_round_trips_and_tolerates_absence(tmp_path):
-    from ray_diloco.actors.version_mark import VersionMark
+    from ray_diloco.actors.version_mark import Mark, VersionMark
 
     mark = VersionMark(tmp_path)
-    assert mark.load() == ({}, [])
+    assert mark.load() == Mark()
     mark.update({0: 3, 1: 5})
-    mark.update({0: 4, 1: 5}, frontier=[64, 128])
-    mark.update(frontier=[128, 128])  # the versions stay as last recorded
-    assert VersionMark(tmp_path).load() == ({0: 4, 1: 5}, [128, 128])
+    mark.update({0: 4, 1: 5}, frontier=[64, 128], holders=["b", "a"])
+    mark.update(frontier=[128, 128])  # the versions and holders stay as last recorded
+    assert VersionMark(tmp_path).load() == Mark({0: 4, 1: 5}, [128, 128], ["a", "b"])
     mark.path.write_text("{not json")
-    assert mark.load() == ({}, [])
+    assert mark.load() == Mark()

@@ -58,19 +58,44 @@ def test_a_restore_never_hands_out_what_learners_hold_since_the_checkpoint() -> 
     held, offset = list(pool.holders["a"].leases), 250 - pool.holders["a"].base
     restored = DataPool(num_parts=1, lease_tokens=100)
     restored.load_state_dict(saved)
-    restored.raise_frontiers(pool.frontier)  # the persisted mark
+    restored.restore_mark(pool.frontier, list(pool.holders))  # the persisted mark
     restored.reclaim("a", held, offset, 250)
+    restored.join("a")
     new, _ = restored.join("b")
     assert new[0].start >= pool.frontier[0]
     assert restored.check() == []
 
 
+def test_ranges_leased_after_the_checkpoint_to_learners_that_died_are_read_again() -> None:
+    """The whole run died: nobody reclaims what was leased after the checkpoint. Those ranges
+    wait until every learner of the mark registered again, then go out first."""
+    pool = DataPool(num_parts=2, lease_tokens=100)
+    pool.join("a", home=0)
+    pool.join("b", home=1)
+    saved = pool.state_dict()
+    pool.advance("a", 180)  # a leases [200, 400) of part 0 after the checkpoint
+    restored = DataPool(num_parts=2, lease_tokens=100)
+    restored.load_state_dict(saved)
+    restored.restore_mark(pool.frontier, list(pool.holders))
+    assert restored.doubtful == [Lease(0, 200, 400)] and restored.check() == []
+    restored.join("a", home=0)  # restarted from the checkpoint: it holds [0, 200) again
+    assert restored.doubtful and not restored.returned  # b may still hold them
+    restored.join("b", home=1)
+    assert not restored.doubtful and restored.returned == [Lease(0, 200, 400)]
+    restored.advance("a", 150)
+    assert list(restored.holders["a"].leases) == [Lease(0, 0, 400)]  # read again, not skipped
+    assert restored.frontier[0] == 400 and not restored.returned
+    assert restored.check() == []
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("jarls"), st.integers(0, 4), st.integers(0, 250))))
+@given(st.lists(st.tuples(st.sampled_from("jarlsc"), st.integers(0, 4), st.integers(0, 250))))
 def test_no_token_read_twice_and_none_lost_whatever_happens(ops) -> None:  # type: ignore[no-untyped-def]
-    """Random joins (j), advances (a), restarts (r), leaves (l) and save/restores (s) of five
+    """Random joins (j), advances (a), restarts (r), leaves (l), save/restores (s) and
+    checkpoints or synchronizer deaths (c; some learners survive it, the others restart) of five
     learners: the books always balance, and every learner's leases continue where it is."""
     pool = DataPool(num_parts=3, lease_tokens=64)
+    saved = pool.state_dict()
     names = [f"n{i}" for i in range(5)]
     for op, who, amount in ops:
         name = names[who]
@@ -91,6 +116,19 @@ def test_no_token_read_twice_and_none_lost_whatever_happens(ops) -> None:  # typ
             state = pool.state_dict()
             pool = DataPool(num_parts=3, lease_tokens=64)
             pool.load_state_dict(state)
+        elif op == "c":  # a checkpoint, or the synchronizer dies and restores the last one
+            saved = saved if amount % 3 else pool.state_dict()
+            if amount % 3:
+                restored = DataPool(num_parts=3, lease_tokens=64)
+                restored.load_state_dict(saved)
+                restored.restore_mark(pool.frontier, list(pool.holders))
+                for i, (learner, holder) in enumerate(pool.holders.items()):
+                    if (amount + i) % 2:  # it kept training and states what it holds
+                        offset = holder.cursor - holder.base
+                        restored.reclaim(learner, list(holder.leases), offset, holder.cursor)
+                    restored.join(learner)  # survivors and restarted learners register
+                assert not restored.doubtful, "every learner registered: nothing in doubt"
+                pool = restored
         assert pool.check() == [], (op, name)
 
 
