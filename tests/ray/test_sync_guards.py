@@ -59,7 +59,8 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
         taped = [e["reason"] for e in status["events"] if e.get("kind") == "contribution_rejected"]
         assert sorted(taped) == ["implausible", "malformed", "malformed"]
         # nothing moved: no version, no merged contribution, no round pending
-        assert status["versions"] == {0: 0, 1: 0} and status["contributions_merged"] == {}
+        assert status["versions"] == {0: 0, 1: 0}
+        assert set(status["contributions_merged"].values()) <= {0}
         assert status["rounds"] == 0
         # and the synchronizer still takes the honest contribution
         assert ray.get(sync.offer.remote(meta, good), timeout=60) == "accepted"
