@@ -251,6 +251,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "bandwidth": bandwidth,
     "overhead": overhead,
     "recovery": recovery,
+    "recovery_load": recovery,
     "goodput_sim": goodput_sim,
     "goodput_sim_slow_repair": goodput_sim,
     "bandwidth_sim": bandwidth_sim,

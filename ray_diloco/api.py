@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.config import RunConfig, apply_overrides, build_config, dump_config, load_config
+from ray_diloco.config import (
+    RunConfig,
+    apply_overrides,
+    build_config,
+    check_output_dir,
+    dump_config,
+    load_config,
+)
 from ray_diloco.task import TaskFactory, task_spec
 
 
@@ -112,6 +119,7 @@ class Trainer:
         from ray_diloco.sim.simulate import reference_run
 
         cfg = self.config
+        check_output_dir(cfg.run_dir, "run_dir")  # before a run whose results it cannot keep
         check_task(cfg)
         run_dir = Path(cfg.run_dir).absolute()
         show = (

@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from ray_diloco.config import ConfigError, load_config
+from ray_diloco.config import ConfigError, check_output_dir, load_config
 from ray_diloco.log import setup_logging
 from ray_diloco.report import summary_table
 
@@ -46,6 +46,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from ray_diloco.api import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    check_output_dir(cfg.run_dir, "run_dir")  # before the header: a bad run_dir is one line
     print(
         f"simulate: task={cfg.task} mode={cfg.diloco.mode} learners={cfg.num_learners} "
         f"P={cfg.diloco.num_fragments} H={cfg.diloco.sync_every} K={cfg.diloco.quorum_min} "

@@ -32,7 +32,7 @@ from ray_diloco.actors.learner_group import regions_are_labelled
 from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
 from ray_diloco.actors.sync_restore import checkpoint_dir
 from ray_diloco.actors.synchronizer import config_digest, get_or_create_synchronizer
-from ray_diloco.config import ConfigError, RunConfig, dump_config
+from ray_diloco.config import ConfigError, RunConfig, check_output_dir, dump_config
 from ray_diloco.control.events import Event, RunStarted
 from ray_diloco.control.tape import read_tape
 from ray_diloco.progress import ProgressTracker
@@ -64,6 +64,7 @@ def run_training(
     `progress(point)` gets every progress point (`progress.py`); `stop_when(supervisor_status)`
     may end the run earlier by returning a reason (benchmarks stop once their faults played
     out); `dashboard` starts the Ray dashboard with an embedded local Ray."""
+    check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
     embedded, dashboard_url = _connect(cfg, address, dashboard)
     try:
         # Before any actor starts: a task that cannot be built, fragmented or trained ends

@@ -19,9 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ray_diloco.config import ConfigError, build_config
+from ray_diloco.config import ConfigError, build_config, parse_yaml
 
 
 def parse_spec(text: str) -> dict[str, Any]:
@@ -34,7 +32,7 @@ def parse_spec(text: str) -> dict[str, Any]:
                 f"--add {text!r}: expected key=value pairs separated by commas, e.g. "
                 "'name=eu-2,region=eu-west,batch_size=32'"
             )
-        spec[key.strip()] = yaml.safe_load(value)
+        spec[key.strip()] = parse_yaml(value, f"--add {key.strip()}")
     if "name" not in spec:
         raise ConfigError(f"--add {text!r}: the learner needs a name=...")
     return spec

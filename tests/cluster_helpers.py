@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,6 +26,18 @@ SLICES = {
     "v5p": ("slice-v5p", "v5p-16", "2x2x2", "us-east5"),
     "v6e": ("slice-v6e", "v6e-8", "2x4", "europe-west4"),
 }
+# Ray waits a hard-coded 30 s for a new raylet to register with the GCS, and `Cluster` 30 s for
+# it to show up; on a busy machine (load 20 on 2 cores, measured) that is not enough.
+NODE_START_TIMEOUT_S = 180.0
+
+
+def agent_ports() -> dict[str, int]:
+    """The port of a node's runtime-env agent, chosen here: a raylet given none waits 15 s
+    (hard-coded in Ray 2.60) for the agent to write it to a file, then crashes; on a busy
+    machine the agent's imports alone can take longer (see `patient_node_start`)."""
+    return {"runtime_env_agent_port": free_port()}
+
+
 # A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s.
 FAST_HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 0,
@@ -65,6 +78,58 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def patient_node_start(
+    timeout_s: float = NODE_START_TIMEOUT_S, minimal_agent: bool = True
+) -> Iterator[None]:
+    """Let a node started inside the block come up on a busy machine (tests only):
+
+    - its registration may take up to `timeout_s`: Ray's own wait (`ray._private.node.Node`,
+      30 s) polls `services.get_node`, which here retries until then instead of failing;
+    - its dashboard agent runs `--minimal` (no HTTP server, no dashboard modules, which the
+      tests never use): the raylet waits 15 s (hard-coded in Ray 2.60) for the agent's
+      listen port, written only once those modules loaded, then crashes; at load ~25 on
+      2 cores they took longer (measured). `minimal_agent=False` keeps the full agent (it
+      serves the metrics export port that tests/ray scrapes) and chooses its metrics and
+      runtime-env agent ports up front instead, so the raylet does not wait for those files
+      (`ray.init` takes no such ports; measured: at load 40 on 2 cores the raylet crashed
+      waiting for metrics_agent_port)."""
+    import ray._private.node
+    import ray._private.utils
+    from ray._private import services
+
+    original, dependencies = services.get_node, ray._private.utils.get_dashboard_dependency_error
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return original(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    node_init = ray._private.node.Node.__init__
+
+    def init_with_agent_ports(self: Any, ray_params: Any, *args: Any, **kwargs: Any) -> None:
+        ray_params.metrics_agent_port = ray_params.metrics_agent_port or free_port()
+        ray_params.runtime_env_agent_port = ray_params.runtime_env_agent_port or free_port()
+        node_init(self, ray_params, *args, **kwargs)
+
+    services.get_node = get_node
+    if minimal_agent:
+        ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("tests: minimal")
+    else:
+        ray._private.node.Node.__init__ = init_with_agent_ports  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        services.get_node = original
+        ray._private.utils.get_dashboard_dependency_error = dependencies
+        ray._private.node.Node.__init__ = node_init  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def _env(values: dict[str, str]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -99,19 +164,30 @@ def add_tpu_host(
         "TPU_TOPOLOGY": topology,
         "RAY_NODE_REGION": region,
     }
-    with _env(env):
-        return cluster.add_node(
-            wait=wait,
+    with _env(env), patient_node_start():
+        node = cluster.add_node(
             num_cpus=num_cpus,
             resources={"TPU": chips},
             object_store_memory=HOST_OBJECT_STORE_BYTES,
+            wait=False,
+            **agent_ports(),
         )
+    if wait:
+        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
+    return node
 
 
 def add_cpu_host(cluster: Any, region: str, num_cpus: int = 1) -> Any:
     """Add one CPU-only node labelled `ray.io/availability-region=region`."""
-    with _env({"RAY_NODE_REGION": region}):
-        return cluster.add_node(num_cpus=num_cpus, object_store_memory=HOST_OBJECT_STORE_BYTES)
+    with _env({"RAY_NODE_REGION": region}), patient_node_start():
+        node = cluster.add_node(
+            num_cpus=num_cpus,
+            object_store_memory=HOST_OBJECT_STORE_BYTES,
+            wait=False,
+            **agent_ports(),
+        )
+    cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
+    return node
 
 
 def preempt_host(cluster: Any, node: Any, notice_s: float = 0.2) -> None:
@@ -159,21 +235,23 @@ def start_tpu_cluster(namespace: str) -> TpuCluster:
 
     if ray.is_initialized():  # a previous user leaked its Ray; never reuse it
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "include_dashboard": False,
-            "object_store_memory": 100 * 2**20,
-            "_system_config": FAST_HEALTH_CHECKS,
-        },
-    )
+    with patient_node_start():
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "object_store_memory": 100 * 2**20,
+                "_system_config": FAST_HEALTH_CHECKS,
+                **agent_ports(),
+            },
+        )
     try:
         tpu = TpuCluster(cluster, {})
         for kind in SLICES:
             for worker_id in range(2):
                 tpu.add_slice_host(kind, worker_id)
-        cluster.wait_for_nodes()
+        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
         ray.init(address=cluster.address, namespace=namespace)
     except BaseException:
         cluster.shutdown()
@@ -221,13 +299,14 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
     if ray.is_initialized():
         ray.shutdown()
     (head,) = spec.heads
-    with _env({"RAY_NODE_REGION": head.region}):
+    with _env({"RAY_NODE_REGION": head.region}), patient_node_start():
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
                 "num_cpus": 1,
                 "include_dashboard": False,
                 "object_store_memory": 100 * 2**20,
+                **agent_ports(),
             },
         )
     try:
@@ -246,9 +325,26 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
                         num_cpus=cpus_per_host,
                         wait=False,  # the hosts start side by side
                     )
-        cluster.wait_for_nodes()
+        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
         ray.init(address=cluster.address, namespace=namespace)
     except BaseException:
         cluster.shutdown()
         raise
     return cluster
+
+
+def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 20.0) -> str:
+    """The local node's Prometheus text once `wanted(text)` holds (metrics arrive every
+    report interval); the last text read if it never does."""
+    url, text = f"http://127.0.0.1:{port}/metrics", ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            text = ""
+        if wanted(text):
+            break
+        time.sleep(0.5)
+    return text

@@ -16,6 +16,10 @@ time) once it took effect. How each fault is made real:
   synchronizer (downstream) and in every learner of the region (upstream);
 - kill_synchronizer: `ray.kill(..., no_restart=False)`: Ray reconstructs it from its checkpoint.
 A fault whose target learner is down (being restarted) when it is due is skipped, not recorded.
+`FaultInjected` carries the time the fault took effect (the signal's own clock for hang_host;
+for the others, the moment the engine issued it), not the time the engine heard back: on a busy
+machine that reply can come after the supervisor already saw the failure (a node kill's task
+fails only once Ray declared the node dead), and a detection must never precede its fault.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import random
 import signal
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +47,7 @@ from ray_diloco.control.events import Event
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 20.0
+Injected = tuple[str, float]  # what was done, and when it took effect (run clock)
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,10 @@ class Targets(Protocol):
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _signal_process(pid: int, signum: int) -> int:
+def _signal_process(pid: int, signum: int) -> float:
+    """Signal `pid`; returns when (wall clock) the signal was sent."""
     os.kill(pid, signum)
-    return pid
+    return time.time()
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -129,7 +136,7 @@ class ChaosEngine:
     def _inject(self, a: FaultAction) -> None:
         detail: str | None = None
         try:
-            detail = getattr(self, f"_{a.kind}")(a)
+            detail, at = getattr(self, f"_{a.kind}")(a)
         except _Skip as err:
             logger.warning("chaos: %s on %s skipped: %s", a.kind, a.target, err)
         except Exception:
@@ -140,7 +147,7 @@ class ChaosEngine:
                 return
             self.injected += 1
         logger.warning("chaos: injected %s on %s (%s)", a.kind, a.target, detail)
-        self.record(a.to_event(self.clock(), detail))
+        self.record(a.to_event(at, detail))
 
     def _hosts(self, a: FaultAction) -> list[HostRef]:
         hosts = self.targets.hosts(str(a.target))
@@ -153,57 +160,64 @@ class ChaosEngine:
         label = f"{self.seed}/{a.at_s}/{a.kind}/{a.target}".encode()
         return random.Random(zlib.crc32(label)).choice(hosts)
 
-    def _kill_host(self, a: FaultAction) -> str:
+    def _kill_host(self, a: FaultAction) -> Injected:
         h = self._pick(a, self._hosts(a))
+        at = self.clock()
         ray.kill(h.handle, no_restart=True)
-        return f"host {h.index} (pid {h.pid})"
+        return f"host {h.index} (pid {h.pid})", at
 
-    def _kill_group(self, a: FaultAction) -> str:
+    def _kill_group(self, a: FaultAction) -> Injected:
         hosts = self._hosts(a)
+        at = self.clock()
         for h in hosts:
             ray.kill(h.handle, no_restart=True)
-        return f"{len(hosts)} host(s)"
+        return f"{len(hosts)} host(s)", at
 
-    def _remove_node(self, a: FaultAction) -> str:
+    def _remove_node(self, a: FaultAction) -> Injected:
         h = self._pick(a, self._hosts(a))
         if h.node_id is None or h.node_id == self._head:
             raise _Skip(f"host {h.index} runs on the head node; the head is never removed")
+        at = self.clock()  # the task kills its own raylet: nothing comes back to time it by
         ref = _kill_own_raylet.options(scheduling_strategy=_on(h.node_id)).remote()
         try:
             pid = ray.get(ref, timeout=CALL_TIMEOUT_S)
         except ray.exceptions.RayError:
             pid = None  # the task's own node died under it: the kill went through
-        return f"node {h.node_id[:12]} of host {h.index} (raylet pid {pid})"
+        return f"node {h.node_id[:12]} of host {h.index} (raylet pid {pid})", at
 
-    def _hang_host(self, a: FaultAction) -> str:
+    def _hang_host(self, a: FaultAction) -> Injected:
         h = self._pick(a, self._hosts(a))
         if h.pid is None or h.node_id is None:
             raise _Skip(f"host {h.index} has not reported its process yet")
-        ray.get(
+        sent = ray.get(
             _signal_process.options(scheduling_strategy=_on(h.node_id)).remote(
                 h.pid, signal.SIGSTOP
             ),
             timeout=CALL_TIMEOUT_S,
         )
         self._later.call_later(a.duration_s, lambda: _resume(h))
-        return f"host {h.index} (pid {h.pid}) stopped for {a.duration_s:.1f}s"
+        at = sent + self.clock() - time.time()  # the signal's wall-clock time on the run clock
+        return f"host {h.index} (pid {h.pid}) stopped for {a.duration_s:.1f}s", at
 
-    def _straggler(self, a: FaultAction) -> str:
+    def _straggler(self, a: FaultAction) -> Injected:
         hosts = self._hosts(a)
+        at = self.clock()
         refs = [h.handle.inject_fault.remote("straggler", a.duration_s, a.factor) for h in hosts]
         ray.get(refs, timeout=CALL_TIMEOUT_S)
-        return f"{a.factor:g}x slower for {a.duration_s:.1f}s"
+        return f"{a.factor:g}x slower for {a.duration_s:.1f}s", at
 
-    def _corrupt(self, a: FaultAction) -> str:
+    def _corrupt(self, a: FaultAction) -> Injected:
         h = self._hosts(a)[0]  # host 0 offers the learner's contributions
+        at = self.clock()
         ray.get(h.handle.inject_fault.remote(a.kind), timeout=CALL_TIMEOUT_S)
-        return "next contribution"
+        return "next contribution", at
 
     _corrupt_nan = _corrupt
     _corrupt_norm = _corrupt
 
-    def _link(self, a: FaultAction, factor: float | None) -> str:
+    def _link(self, a: FaultAction, factor: float | None) -> Injected:
         region = str(a.target)
+        at = self.clock()
         refs = [self.targets.synchronizer().impair_link.remote(region, a.duration_s, factor)]
         for learner in self.targets.learners_in(region):
             hosts = self.targets.hosts(learner)
@@ -211,23 +225,24 @@ class ChaosEngine:
                 refs.append(hosts[0].handle.impair_link.remote(region, a.duration_s, factor))
         ray.get(refs, timeout=CALL_TIMEOUT_S)
         what = "cut" if factor is None else f"{factor:g}x slower"
-        return f"{what} for {a.duration_s:.1f}s"
+        return f"{what} for {a.duration_s:.1f}s", at
 
-    def _cut_link(self, a: FaultAction) -> str:
+    def _cut_link(self, a: FaultAction) -> Injected:
         return self._link(a, None)
 
-    def _slow_link(self, a: FaultAction) -> str:
+    def _slow_link(self, a: FaultAction) -> Injected:
         return self._link(a, a.factor)
 
-    def _kill_synchronizer(self, a: FaultAction) -> str:
+    def _kill_synchronizer(self, a: FaultAction) -> Injected:
         sync = self.targets.synchronizer()
         try:
             rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S)["rounds"]
         except ray.exceptions.RayError:
             rounds = None
         self.targets.synchronizer_killed(rounds)
+        at = self.clock()
         ray.kill(sync, no_restart=False)
-        return f"at {rounds} rounds"
+        return f"at {rounds} rounds", at
 
 
 class _Skip(Exception):

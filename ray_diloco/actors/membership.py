@@ -1,6 +1,7 @@
 """Layer: actors (Ray shell). Where learners can come from and why they must go: the
-scavenger (a free node or slice that fits one of `elastic.templates` gets a learner) and the
-drain watch (learners on nodes Ray is draining, e.g. for a preemption, leave gracefully).
+scavenger (a free node or slice that fits one of `elastic.templates` gets a learner), the
+drain watch (learners on nodes Ray is draining, e.g. for a preemption, leave gracefully) and
+the node check (a failed learner whose node Ray declared dead lost its node: no crash, no hang).
 
 Both only observe the cluster and hand their findings to the supervisor, which carries the
 joins and leaves out on its control loop.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ray_diloco.actors import resources
@@ -35,6 +36,22 @@ def draining_nodes() -> set[str]:
     except Exception as err:  # the GCS restarting: the next poll will know
         logger.debug("draining nodes unknown: %s", err)
         return set()
+
+
+def lost_nodes(node_ids: Iterable[str]) -> set[str]:
+    """Those of `node_ids` that the GCS reports dead or no longer knows; an unreachable GCS
+    reads as none lost (the failure is then classified by what its caller saw)."""
+    import ray
+
+    wanted = set(node_ids)
+    if not wanted:
+        return set()
+    try:
+        alive = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+    except Exception as err:
+        logger.debug("node liveness unknown: %s", err)
+        return set()
+    return wanted - alive
 
 
 class Scavenger:

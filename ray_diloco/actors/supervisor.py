@@ -6,14 +6,17 @@ and events, and this actor carries them out on a control-loop thread (every
 `supervisor.poll_interval_s`). Each tick it (1) reads the synchronizer's status without waiting
 (`SyncWatch`: journal events, rounds, merges per learner, restarts), (2) collects the answers of
 its own heartbeats to every host (`LearnerSlot.poll`; Ray's node-death detection is never
-waited for: a host that does not answer within `heartbeat_timeout_s` is hung, a failed call is
-classified by `classify_ray_error`), (3) ticks the controller and executes its `KillLearner` /
-`StartLearner` commands (a launch runs on its own thread), and (4) lets the chaos engine inject
-what is due. A learner counts as rejoined when the synchronizer merged a contribution of its new
-incarnation. A non-finite contribution fails its learner (`numerical`: its state may be corrupt,
-so it restarts from the published fragments); a norm-guard rejection only marks it degraded (the
-rejection protected the model and the learner adopts the next published version anyway; early in
-training honest contributions can trip the guard). Stragglers and starved learners are recorded
+waited for: a host silent past its load-adapted timeout is hung, a failed call is classified by
+`classify_ray_error`), (3) ticks the controller and executes its `KillLearner` / `StartLearner`
+commands (a launch runs on its own thread), and (4) lets the chaos engine inject what is due.
+A learner about to be declared hung, or reported crashed, whose node Ray already declared dead
+failed as `node_lost` instead (its preemption budget, its group rebuilt elsewhere), whichever of
+Ray and the heartbeats noticed first. A learner counts as rejoined when the synchronizer merged
+a contribution of its new incarnation. A non-finite contribution fails its learner
+(`numerical`: its state may be corrupt, so it restarts from the published fragments); a
+norm-guard rejection only marks it degraded (the rejection protected the model and the learner
+adopts the next published version anyway; early in training honest contributions can trip the
+guard). Stragglers and starved learners are recorded
 by `control.degradation`, never restarted. Methods return at once; the driver polls `status()`,
 calls `finish(reason)` at the end and waits for `status()["done"]`, then `shutdown()`.
 
@@ -44,7 +47,7 @@ import ray
 
 from ray_diloco.actors.faults import ChaosEngine, HostRef
 from ray_diloco.actors.learner_slot import make_slot, stop_all
-from ray_diloco.actors.membership import Scavenger, draining_nodes
+from ray_diloco.actors.membership import Scavenger, draining_nodes, lost_nodes
 from ray_diloco.actors.resources import head_pin_options
 from ray_diloco.actors.sync_watch import SyncWatch, uptime_window_s
 from ray_diloco.config import LearnerGroupConfig, RunConfig
@@ -278,6 +281,10 @@ class Supervisor:
                     self._failed(name, self.control.incarnation(name), kind, now, why)
                 elif reply is not None:
                     self._on_reply(name, host, reply, now)
+        for name in self.control.overdue(now):  # silent: hung, or did its node die?
+            if self._node_lost(name):
+                inc = self.control.incarnation(name)
+                self._failed(name, inc, FailureKind.NODE_LOST, now, "silent; its node died")
         events, commands = self.control.tick(now)
         self._record_all(events)
         self._execute(commands, now)
@@ -458,12 +465,19 @@ class Supervisor:
         if name in self._leaving:
             self._finish_leave(name, now)  # it was leaving anyway: no restart
             return
+        if kind is FailureKind.CRASH and self._node_lost(name):
+            kind, detail = FailureKind.NODE_LOST, f"{detail}; its node died"
         lost = self._work_lost(name, now)
         events, commands = self.control.failed(name, incarnation, kind, now, detail)
         if events:
             logger.warning("learner %s incarnation %d: %s (%s)", name, incarnation, kind, detail)
             self._record_all(events + lost)
         self._execute(commands, now)
+
+    def _node_lost(self, name: str) -> bool:
+        """Ray declared the node of one of the learner's hosts dead."""
+        nodes = {str(i["node_id"]) for i in self.slots[name].info.values() if i.get("node_id")}
+        return bool(lost_nodes(nodes))
 
     def _work_lost(self, name: str, now: float) -> list[Event]:
         """What a restart throws away: the training since the learner's last merged

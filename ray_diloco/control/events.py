@@ -175,13 +175,15 @@ class FaultInjected(Event):
 @_register
 @dataclass(frozen=True)
 class FailureDetected(Event):
-    """`detection_s`: seconds from the failure (or injected fault) to this detection."""
+    """`detection_s`: seconds from the failure (or injected fault) to this detection;
+    `timeout_s`: for a silence, the (load-adapted) timeout it exceeded."""
 
     kind: ClassVar[str] = "failure_detected"
     learner: str
     failure: FailureKind
     detection_s: float
     detail: str = ""
+    timeout_s: float | None = None
 
 
 @_register

@@ -5,7 +5,7 @@ failure, a restarted learner contributed again), commands and tape events come o
 supervisor actor only executes the commands: it never decides. Time is the caller's, so the
 same controller runs under tests on a hand-driven clock.
 
-Per learner: training --(no heartbeat for heartbeat_timeout_s | error)--> dead: the old
+Per learner: training --(a host silent past its timeout | error)--> dead: the old
 incarnation is fenced (`KillLearner`), the policy decides; Restart -> restarting until the
 backoff expires (`StartLearner` with incarnation + 1) -> starting -> training again when it
 answers; once the synchronizer merges a contribution from the new incarnation, it has rejoined.
@@ -14,6 +14,13 @@ A learner with several hosts is heard only when every host answered since its (r
 it is as fresh as its stalest host: one hung host silences the whole learner, which is then
 restarted as a whole. Host 0 speaks for the learner's state (compiling, training, blocked), so
 compile time is not counted as training on the tape.
+
+Timeouts adapt to load (`control.detector.Cadence`): each host's heartbeat timeout follows the
+gaps between its answers (kept across incarnations: they describe the machine, not the
+process), and a starting incarnation's follows how long the run's boots took, each above its
+configured floor. `overdue(now)` names the learners about to be declared hung, so the shell can
+first ask Ray whether their node died (a lost node is `node_lost`, not a hang, whoever sees it
+first).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ray_diloco.config import SupervisorConfig
+from ray_diloco.control.detector import Cadence
 from ray_diloco.control.events import (
     Event,
     FailureDetected,
@@ -66,6 +74,7 @@ class _Watch:
     restart_at_s: float | None = None
     restarted_s: float | None = None
     attempt: int = 0
+    started_s: float = 0.0  # when this incarnation was started
     host_seen: dict[int, float] = field(default_factory=dict)  # this incarnation's answers
     reported: LearnerState | None = None  # host 0's last reported state
 
@@ -80,8 +89,14 @@ class Supervision:
     ) -> None:
         self.cfg = cfg
         self.policy = RestartPolicy(cfg)
-        self.watches = {name: _Watch(last_seen_s=now) for name in learners}
+        self.watches = {name: _Watch(last_seen_s=now, started_s=now) for name in learners}
         self.num_hosts = {name: (num_hosts or {}).get(name, 1) for name in learners}
+        self.cadences: dict[tuple[str, int], Cadence] = {}  # (learner, host) -> its answers
+        # Boots of every learner in the run: what one costs on this machine now. The floor
+        # must cover the first boot, when nothing is known yet.
+        self.boots = Cadence(
+            cfg.startup_timeout_s, cfg.startup_timeout_factor, _BOOT_CEILING_S, min_gaps=1
+        )
 
     def incarnation(self, learner: str) -> int:
         return self.watches[learner].incarnation
@@ -92,7 +107,7 @@ class Supervision:
         """A learner joins the running job: watched from now on, starting (incarnation 0)."""
         if learner in self.watches and self.watches[learner].state is not LearnerState.LEFT:
             raise ValueError(f"learner {learner!r} is already in the run")
-        self.watches[learner] = _Watch(last_seen_s=now)
+        self.watches[learner] = _Watch(last_seen_s=now, started_s=now)
         self.num_hosts[learner] = num_hosts
         return [LearnerStateChanged(now, learner, 0, LearnerState.STARTING, "joined")]
 
@@ -125,12 +140,15 @@ class Supervision:
         if incarnation != w.incarnation or w.state in _DOWN:
             return []  # a fenced process answering late changes nothing
         w.host_seen[host] = now
+        self._cadence(learner, host).arrived(now)
         if state is not None and LearnerState(state) in _LIVE:
             w.reported = LearnerState(state)
         if len(w.host_seen) < self.num_hosts[learner]:
             return []  # not every host of this incarnation answered yet
         w.last_seen_s = min(w.host_seen.values())
         new = w.reported or LearnerState.TRAINING
+        if w.state is LearnerState.STARTING:
+            self.boots.add_gap(now - w.started_s)
         if w.state is new:
             return []
         w.state = new
@@ -167,6 +185,13 @@ class Supervision:
         w.restart_at_s = None
         return [LearnerStateChanged(now, learner, w.incarnation, LearnerState.FINISHED, reason)]
 
+    def timeouts(self, learner: str) -> dict[int, float]:
+        """Host -> the heartbeat timeout in force for it now (seconds)."""
+        return {h: self._cadence(learner, h).timeout_s() for h in range(self.num_hosts[learner])}
+
+    def startup_timeout_s(self) -> float:
+        return self.boots.timeout_s()
+
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per learner: state, incarnation and restarts so far (for status displays)."""
         out: dict[str, dict[str, object]] = {}
@@ -183,20 +208,19 @@ class Supervision:
 
     # -- the clock ----------------------------------------------------------------------------
 
+    def overdue(self, now: float) -> list[str]:
+        """Live learners silent past their timeout: `tick(now)` declares them hung."""
+        return [name for name, w in self.watches.items() if self._silence(name, w, now)]
+
     def tick(self, now: float) -> tuple[list[Event], list[Command]]:
         """Detect silent learners and start the restarts whose backoff expired."""
         events: list[Event] = []
         commands: list[Command] = []
         for name, w in self.watches.items():
-            silent = now - w.last_seen_s
-            timeout = (
-                self.cfg.startup_timeout_s
-                if w.state is LearnerState.STARTING
-                else self.cfg.heartbeat_timeout_s
-            )
-            if w.state in _LIVE and silent > timeout:
+            silence = self._silence(name, w, now)
+            if silence is not None:
                 # Silent but not dead to Ray: a hung or partitioned host (SIGSTOP, lost link).
-                e, c = self._detect(name, FailureKind.HANG, now, f"silent for {silent:.1f}s")
+                e, c = self._detect(name, FailureKind.HANG, now, *silence)
                 events += e
                 commands += c
             elif w.state is LearnerState.RESTARTING and now >= (w.restart_at_s or now):
@@ -204,8 +228,36 @@ class Supervision:
                 commands.append(StartLearner(name, w.incarnation))
         return events, commands
 
+    def _silence(self, name: str, w: _Watch, now: float) -> tuple[str, float] | None:
+        """Why the live learner counts as hung now and the timeout it exceeded, or None."""
+        if w.state not in _LIVE:
+            return None
+        if w.state is LearnerState.STARTING:
+            silent, timeout = now - w.last_seen_s, self.boots.timeout_s()
+            if silent > timeout:
+                return f"not up after {silent:.1f}s", timeout
+            return None
+        for host, seen in sorted(w.host_seen.items()):
+            silent, timeout = now - seen, self._cadence(name, host).timeout_s()
+            if silent > timeout:
+                return f"host {host} silent for {silent:.1f}s", timeout
+        return None
+
+    def _cadence(self, learner: str, host: int) -> Cadence:
+        key = (learner, host)
+        if key not in self.cadences:
+            c = self.cfg
+            floor, ceiling = c.heartbeat_timeout_s, c.heartbeat_timeout_max_s
+            self.cadences[key] = Cadence(floor, c.heartbeat_timeout_factor, ceiling)
+        return self.cadences[key]
+
     def _detect(
-        self, learner: str, failure: FailureKind, now: float, detail: str
+        self,
+        learner: str,
+        failure: FailureKind,
+        now: float,
+        detail: str,
+        timeout_s: float | None = None,
     ) -> tuple[list[Event], list[Command]]:
         w = self.watches[learner]
         detection_s = now - w.last_seen_s
@@ -213,7 +265,7 @@ class Supervision:
         w.host_seen, w.reported = {}, None
         decision = self.policy.decide(learner, failure, now)
         events: list[Event] = [
-            FailureDetected(now, learner, failure, detection_s, detail),
+            FailureDetected(now, learner, failure, detection_s, detail, timeout_s),
             LearnerStateChanged(now, learner, w.incarnation, LearnerState.DEAD, failure.value),
         ]
         # A learner given up on is fenced as a whole; a restart says what it needs.
@@ -244,14 +296,18 @@ class Supervision:
         w.state = LearnerState.STARTING
         w.restart_at_s = None
         w.restarted_s = now
-        w.last_seen_s = now  # the new incarnation gets a full timeout to come up
+        w.started_s = w.last_seen_s = now  # the new incarnation gets a full timeout to come up
         w.host_seen, w.reported = {}, None
+        for host in range(self.num_hosts[learner]):
+            self._cadence(learner, host).forget_last()  # no gap across the restart
         assert w.detected_s is not None
         return [
             LearnerRestarted(now, learner, w.incarnation, w.attempt, now - w.detected_s),
             LearnerStateChanged(now, learner, w.incarnation, LearnerState.STARTING, "restart"),
         ]
 
+
+_BOOT_CEILING_S = 3600.0  # a boot this slow is a broken host, however busy the machine
 
 _LIVE = frozenset(
     {LearnerState.STARTING, LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLOCKED}

@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ray_diloco.config import ConfigError, load_config
+from ray_diloco.config import ConfigError, check_output_dir, load_config, whole_number
 from ray_diloco.report import machine
 from ray_diloco.sim.bandwidth_sim import PRESETS, format_table, plot, rows
 
@@ -45,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         help="settings under --config/--set (published-pair: the assumptions that reproduce "
         "the published 198 vs 0.84 Gbps)",
     )
-    p.add_argument("--datacenters", type=int, nargs="+", default=[8, 4], help="sites (>= 2)")
+    p.add_argument(
+        "--datacenters", type=whole_number, nargs="+", default=[8, 4], help="sites (>= 2)"
+    )
     p.add_argument(
         "--links", type=float, nargs="+", default=[2.0, 5.0], help="link bandwidths (Gbps)"
     )
@@ -61,6 +63,8 @@ def simulate_bandwidth_main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--datacenters {args.datacenters}: a WAN needs at least 2 sites")
         if min(args.links) <= 0:
             raise ConfigError(f"--links {args.links}: bandwidths must be > 0 Gbps")
+        if args.out is not None:
+            check_output_dir(args.out, "--out")
         cfg = load_config(args.config, args.set).bandwidth_sim
         table_rows = rows(cfg, args.preset, args.datacenters, args.links)
     except ConfigError as err:

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.config import ConfigError, RunConfig, load_config
+from ray_diloco.config import ConfigError, RunConfig, check_output_dir, load_config, whole_number
 from ray_diloco.report import machine
 from ray_diloco.sim.goodput_sim import PRESETS, simulate
 from ray_diloco.sim.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, published, sweep
@@ -56,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         help="named settings under --config/--set (slow-repair: the settings before "
         "calibration, ten times harsher)",
     )
-    p.add_argument("--chips", type=int, nargs="+", help="cluster size(s) in chips")
-    p.add_argument("--learners", type=int, nargs="+", help="decoupled learner count(s), M")
+    p.add_argument("--chips", type=whole_number, nargs="+", help="cluster size(s) in chips")
+    p.add_argument("--learners", type=whole_number, nargs="+", help="decoupled learner count(s), M")
     p.add_argument("--days", type=float, help="simulated duration in days")
     p.add_argument(
         "--sweep",
@@ -162,6 +162,8 @@ def simulate_goodput_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     try:
+        if args.out is not None:
+            check_output_dir(args.out, "--out")
         cfg, rows, timing = run(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

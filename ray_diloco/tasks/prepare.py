@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.config import check_output_dir, whole_number
 from ray_diloco.tasks.byte_corpus import expand_paths, is_heldout, read_documents
 from ray_diloco.tasks.token_files import HELDOUT, META, TRAIN
 
@@ -122,13 +123,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--input", action="append", required=True, help="file or glob, repeatable")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a BPE)")
-    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary to train")
+    p.add_argument("--vocab-size", type=whole_number, default=8192, help="BPE vocabulary to train")
     p.add_argument("--heldout-fraction", type=float, default=0.02)
     args = p.parse_args(argv)
     if not 0 < args.heldout_fraction < 0.5:
         raise ValueError(f"--heldout-fraction {args.heldout_fraction}: use a value in (0, 0.5)")
     if args.vocab_size < 260:
         raise ValueError(f"--vocab-size {args.vocab_size}: a byte-level BPE needs >= 260")
+    check_output_dir(args.out, "--out")  # before the tokenizing, which takes a while
     t0 = time.perf_counter()
     meta = prepare(args.input, args.out, args.tokenizer, args.vocab_size, args.heldout_fraction)
     print(

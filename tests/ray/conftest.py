@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.cluster_helpers import free_port, prepare_ray_env
+from tests.cluster_helpers import free_port, patient_node_start, prepare_ray_env
 
 
 class LocalRay(NamedTuple):
@@ -29,15 +29,16 @@ def ray_local(request: pytest.FixtureRequest) -> Iterator[LocalRay]:
         ray.shutdown()
     namespace = "diloco-test-" + request.module.__name__.rsplit(".", 1)[-1]
     port = free_port()
-    ray.init(
-        address="local",  # always a fresh instance, whatever /tmp/ray/ray_current_cluster says
-        num_cpus=4,
-        object_store_memory=200 * 10**6,
-        include_dashboard=False,
-        namespace=namespace,
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    with patient_node_start(minimal_agent=False):  # a busy machine registers nodes slowly
+        ray.init(
+            address="local",  # always a fresh instance, whatever /tmp/ray/ray_current_cluster says
+            num_cpus=4,
+            object_store_memory=200 * 10**6,
+            include_dashboard=False,
+            namespace=namespace,
+            _metrics_export_port=port,
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
     try:
         yield LocalRay(namespace, port)
     finally:

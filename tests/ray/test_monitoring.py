@@ -16,7 +16,7 @@ import pytest
 from ray_diloco.config import load_config
 from ray_diloco.grafana import series
 from ray_diloco.run_report import REPORT_FILES
-from tests.cluster_helpers import free_port, prepare_ray_env
+from tests.cluster_helpers import free_port, patient_node_start, prepare_ray_env
 
 pytestmark = pytest.mark.ray
 
@@ -39,16 +39,17 @@ def ray_with_dashboard() -> Iterator[DashboardRay]:
     if ray.is_initialized():
         ray.shutdown()
     port = free_port()
-    context = ray.init(
-        address="local",
-        num_cpus=4,
-        object_store_memory=200 * 10**6,
-        include_dashboard=True,
-        dashboard_port=free_port(),
-        namespace="diloco-test-monitoring",
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    with patient_node_start(minimal_agent=False):  # a busy machine registers nodes slowly
+        context = ray.init(
+            address="local",
+            num_cpus=4,
+            object_store_memory=200 * 10**6,
+            include_dashboard=True,
+            dashboard_port=free_port(),
+            namespace="diloco-test-monitoring",
+            _metrics_export_port=port,
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
     try:
         yield DashboardRay(f"http://127.0.0.1:{port}/metrics", f"http://{context.dashboard_url}")
     finally:

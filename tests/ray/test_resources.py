@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ from ray_diloco.actors.resources import (
 )
 from ray_diloco.config import LearnerGroupConfig
 from ray_diloco.metrics import Metrics
-from tests.cluster_helpers import first_error
+from tests.cluster_helpers import first_error, scrape_metrics
 
 pytestmark = pytest.mark.ray
 
@@ -187,19 +186,10 @@ def test_counter_reaches_prometheus_endpoint(ray_local: Any) -> None:
     assert not Metrics.create(False, "probe").enabled
     actor = Probe.remote()
     assert ray.get(actor.count_tokens.remote("L0", 128), timeout=30)
-    url = f"http://127.0.0.1:{ray_local.metrics_export_port}/metrics"
-    deadline, text = time.monotonic() + 20, ""
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                text = resp.read().decode()
-        except OSError:
-            text = ""
-        if "ray_diloco_tokens_total" in text:
-            break
-        time.sleep(0.5)
+    port = ray_local.metrics_export_port
+    text = scrape_metrics(port, lambda text: "ray_diloco_tokens_total" in text)
     lines = [ln for ln in text.splitlines() if ln.startswith("ray_diloco_tokens_total{")]
-    assert lines, f"ray_diloco_tokens_total not exported at {url}"
+    assert lines, f"ray_diloco_tokens_total not exported on port {port}"
     assert 'learner="L0"' in lines[0] and 'run="probe"' in lines[0]
     assert float(lines[0].rsplit(" ", 1)[1]) == 128.0
     assert "ray_diloco_inner_step_seconds_bucket" in text

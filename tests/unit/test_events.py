@@ -54,6 +54,9 @@ SAMPLES: list[Event] = [
     LearnerJoined(8.5, "spare-0", region="asia-east1", accelerator="cpu", reason="scavenged"),
     LearnerLeft(8.7, "spare-0", reason="its node is being drained", tokens_returned=4096),
     RunFinished(9.0, tokens=2_000_000, reason="token budget"),
+    FailureDetected(9.5, "learner-0", FailureKind.HANG, 4.6, "host 0 silent", timeout_s=4.5),
+    LearnerJoined(10.0, "extra-0", "us-east5", "cpu", reason="scavenged"),
+    LearnerLeft(11.0, "extra-0", reason="requested", tokens_returned=4096),
 ]
 
 

@@ -20,6 +20,7 @@ CONTROL_MODULES = [
     "ray_diloco.control.tape",
     "ray_diloco.control.goodput",
     "ray_diloco.control.supervision",
+    "ray_diloco.control.detector",
     "ray_diloco.control.degradation",
     "ray_diloco.control.recovery",
 ]

@@ -117,3 +117,46 @@ def test_numerical_failure_restarts_without_rebuild_and_finished_is_final():
         "crash_restarts": 0,
         "preemption_restarts": 0,
     }
+
+
+def test_a_learner_answering_slowly_under_load_is_not_hung_but_a_hang_is_found():
+    sup = Supervision(CFG, ["a"], now=0.0)
+    t = 0.0
+    for _ in range(20):  # a busy machine: answers 1.5 s apart, past none of the timeouts
+        t += 1.5
+        sup.heartbeat("a", 0, now=t)
+        assert sup.tick(now=t) == ([], [])
+    assert sup.timeouts("a") == {0: 4.5}  # 3 x the 99th percentile gap, above the 2 s floor
+    assert sup.tick(now=t + 3.0) == ([], [])  # a slow answer (3 s > the floor) is no hang
+    assert sup.overdue(now=t + 4.5) == []
+    assert sup.overdue(now=t + 4.6) == ["a"]
+    events, commands = sup.tick(now=t + 4.6)
+    detected = next(e for e in events if isinstance(e, FailureDetected))
+    assert detected.failure is FailureKind.HANG and detected.timeout_s == 4.5
+    assert "host 0 silent for 4.6s" in detected.detail
+    assert commands == [KillLearner("a", 0, rebuild_group=True)]
+
+
+def test_an_idle_machine_keeps_the_configured_timeout():
+    sup = Supervision(CFG, ["a"], now=0.0)
+    for i in range(1, 200):
+        sup.heartbeat("a", 0, now=0.25 * i)
+    assert sup.timeouts("a") == {0: 2.0}
+    last = 0.25 * 199
+    assert sup.tick(now=last + 2.0) == ([], [])
+    events, _ = sup.tick(now=last + 2.05)
+    assert any(isinstance(e, FailureDetected) for e in events)
+
+
+def test_the_startup_timeout_follows_the_runs_boots():
+    sup = Supervision(CFG, ["a"], now=0.0)  # startup floor 10 s, factor 2
+    sup.heartbeat("a", 0, now=8.0)  # a slow boot, still within the floor
+    assert sup.startup_timeout_s() == 16.0
+    sup.failed("a", 0, FailureKind.CRASH, now=9.0)
+    _, started = sup.tick(now=9.5)
+    assert started == [StartLearner("a", 1)]
+    assert sup.tick(now=25.4) == ([], [])  # 15.9 s starting: the floor alone would have fired
+    events, _ = sup.tick(now=25.6)
+    (detected,) = [e for e in events if isinstance(e, FailureDetected)]
+    assert detected.learner == "a" and detected.timeout_s == 16.0
+    assert detected.detail == "not up after 16.1s"

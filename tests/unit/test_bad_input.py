@@ -1,0 +1,99 @@
+"""Bad input never gives a traceback (issue 15): every command answers a malformed YAML file,
+a `--set` into a list without an index, an impossible output directory, a config file that is
+a directory or a number it cannot read with one `error:` line naming the file or field and the
+fix, exit code 2, and nothing written. Run in-process: each case fails before Ray or JAX
+starts, which is the point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ray_diloco import cli
+from ray_diloco.config import RunConfig
+
+
+@pytest.fixture
+def place(tmp_path: Path) -> Path:
+    """A directory with a malformed YAML file, a directory named like a config, a plain file
+    (no directory can be made under it) and the config.json of a (not running) run."""
+    (tmp_path / "bad.yaml").write_text("name: x\n  bad: [\n")
+    (tmp_path / "conf.yaml").mkdir()
+    (tmp_path / "file").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(RunConfig().model_dump(mode="json")))
+    return tmp_path
+
+
+IMPOSSIBLE = "file/out"  # under a plain file
+CASES = {
+    # command -> [(arguments, what the error line must name)]
+    "train": [
+        (["--config", "bad.yaml"], "bad.yaml: not valid YAML (line 2, column 6"),
+        (["--set", "learners.x=1"], "--set learners.x: learners is a list of 4 items"),
+        (["--set", f"run_dir={IMPOSSIBLE}"], "run_dir=file/out: "),
+        (["--config", "conf.yaml"], "config file conf.yaml is a directory"),
+        (["--set", "token_budget=1e-3"], "invalid configuration"),
+    ],
+    "simulate": [
+        (["--config", "bad.yaml"], "bad.yaml: not valid YAML"),
+        (["--set", "learners.x=1"], "--set learners.x: "),
+        (["--set", "run_dir=/proc/no/such/dir"], "run_dir=/proc/no/such/dir: cannot write in"),
+        (["--config", "conf.yaml"], "is a directory"),
+        (["--set", "learners.0.batch_size=1.5e-1"], "learners.0.batch_size"),
+    ],
+    "simulate-goodput": [
+        (["--config", "bad.yaml"], "bad.yaml: not valid YAML"),
+        (["--set", "learners.x=1"], "--set learners.x: "),
+        (["--out", IMPOSSIBLE], "--out=file/out: "),
+        (["--config", "conf.yaml"], "is a directory"),
+        (["--set", "goodput_sim.chips=1.5e-2"], "goodput_sim.chips"),
+    ],
+    "simulate-bandwidth": [
+        (["--config", "bad.yaml"], "bad.yaml: not valid YAML"),
+        (["--set", "learners.x=1"], "--set learners.x: "),
+        (["--out", IMPOSSIBLE], "--out=file/out: "),
+        (["--config", "conf.yaml"], "is a directory"),
+        (["--set", "bandwidth_sim.datacenters=2.5"], "bandwidth_sim.datacenters"),
+    ],
+    "prepare-data": [
+        (["--input", "bad.yaml", "--out", IMPOSSIBLE], "--out=file/out: "),
+        (["--input", "bad.yaml", "--out", "o", "--vocab-size", "1e2"], "--vocab-size 100"),
+    ],
+    "scale": [
+        (["conf.yaml"], "conf.yaml/config.json not found"),
+        (["run", "--add", "name=[x"], "--add name: not valid YAML"),
+        (["run", "--add", "batch_size=1e3"], "the learner needs a name"),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "names"),
+    [(command, args, names) for command, cases in CASES.items() for args, names in cases],
+)
+def test_bad_input_is_one_error_line_exit_2_and_nothing_written(
+    place: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    args: list[str],
+    names: str,
+) -> None:
+    monkeypatch.chdir(place)
+    before = sorted(p.relative_to(place) for p in place.rglob("*"))
+    assert cli.main([command, *args]) == 2
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error:"), err
+    assert names in err, err  # on the error line, or (a list of fields) just below it
+    assert "Traceback" not in out + err
+    assert sorted(p.relative_to(place) for p in place.rglob("*")) == before  # nothing written
+
+
+def test_a_number_written_1e6_is_read_as_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate-bandwidth", "--datacenters", "4", "--links", "5"]) == 0
+    assert cli.main(["simulate-goodput", "--chips", "1e6", "--days", "0.01"]) == 0
+    assert "1,000,000" in capsys.readouterr().out
