@@ -75,9 +75,8 @@ def bare(cfg: RunConfig, merge: bool = True) -> dict[str, float]:
         for meta, delta in offers if merge else ():
             sync.offer(meta, delta, now)
         for pub in sync.poll(time.monotonic()) if merge else ():
-            for name, msg in sync.messages(pub, [lg.name]).items():
-                sync.sent(name, msg.nbytes)
-                core.receive(msg.fragment, msg.version, decode_tree(msg.encoded), msg.base)
+            sync.sent(lg.name, pub.nbytes)
+            core.receive(pub.fragment, pub.version, decode_tree(pub.encoded))
         core.apply_received()
         if not start:  # the first step compiled: the steady state starts here
             start, first = time.perf_counter(), core.step
@@ -122,7 +121,7 @@ def merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, fl
                     k: rng.normal(0.0, 1e-3, np.shape(setup.init[k])).astype(np.float32)
                     for k in paths
                 }
-                meta = ContributionMeta(n, 0, p, base, (base + 1) * steps, steps, tokens)
+                meta = ContributionMeta(n, 0, p, base, base * steps, steps, tokens)
                 sync.offer(meta, wire.encode_tree(delta, cfg.diloco.wire_dtype), now)
         now += 1e6  # past every grace window: each fragment's round closes with all learners
         for close in sync.close_due(now):

@@ -31,9 +31,7 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _pct(x: float | None) -> str:
-    if x is None:
-        return "-"
+def _pct(x: float) -> str:
     return "0" if x == 0 else f"{100 * x:+.1f}%"
 
 
@@ -45,52 +43,14 @@ def quality(data: dict[str, Any]) -> str:
     rows = [
         {
             "variant": r["variant"],
-            "seeds": r["seeds"],
-            "held-out loss (mean)": _num(r["heldout_loss"]),
-            "spread (max - min)": _num(r["spread"]),
-            "vs data-parallel": _pct(r["vs_data_parallel"]),
-            "vs synchronous": _pct(r["vs_synchronous"]),
-            "rounds": f"{r['rounds']:.0f}" if r["rounds"] else "-",
-            "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
-            "refused (per seed)": ", ".join(map(str, r["refused"])),
-        }
-        for r in data["rows"]
-    ]
-    return markdown_table(rows, list(rows[0]))
-
-
-def quality_sweep(data: dict[str, Any]) -> str:
-    paper = next(r["heldout_loss"] for r in data["rows"] if r["variant"] == PAPER_OUTER)
-    rows = [
-        {
-            "outer optimizer": r["variant"],
             "held-out loss": _num(r["heldout_loss"]),
-            f"vs {PAPER_OUTER}": _pct(r["heldout_loss"] / paper - 1),
-            "refused": ", ".join(map(str, r["refused"])),
+            "vs data-parallel": _pct(r["vs_data_parallel"]),
+            "rounds": r["rounds"] or "-",
+            "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
+            "bytes/token": f"{r['bytes_per_token']:.4g}",
         }
         for r in data["rows"]
     ]
-    return markdown_table(rows, list(rows[0]))
-
-
-def outer_rules(data: dict[str, Any]) -> str:
-    rows = []
-    for r in data["rows"]:
-        quorum, anchor, step, to = (r["rule"].split(", ") + ["-"] * 3)[:4]
-        rows.append(
-            {
-                "rounds close at": quorum,
-                "anchor": anchor,
-                "round step": step,
-                "publish to": to,
-                "held-out loss": _num(r["heldout_loss"]),
-                "vs data-parallel": "diverged"
-                if r["vs_data_parallel"] is None
-                else _pct(r["vs_data_parallel"]),
-                "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
-                "refused": r["refused"],
-            }
-        )
     return markdown_table(rows, list(rows[0]))
 
 
@@ -117,25 +77,15 @@ def bandwidth(data: dict[str, Any]) -> str:
     rows = [
         {
             "mode": r["mode"],
-            "H": r["H"] or "-",
-            "up / down": f"{r['up']} / {r['down']}",
+            "wire": r["wire"],
             "bytes/token": f"{r['bytes_per_token']:.4g}",
             "fewer than DP": f"{r['x_fewer_than_dp']:.3g}x",
-            "bound 8H/(b_up+b_down)": f"{r['bound']:.3g}x" if r["bound"] else "-",
             "held-out loss": _num(r["heldout_loss"]),
-            "vs bfloat16": _pct(r["loss_vs_bf16"]),
-            "refused": r["refused"],
+            "needs for goodput 0.95": _rate(r["gbps_for_goodput_0.95"]),
         }
         for r in data["rows"]
     ]
-    table = markdown_table(rows, list(rows[0]))
-    if not data["meta"].get("needs_gbps"):  # the link bisection did not run
-        return table
-    needs = [
-        {"mode": mode, "link for goodput 0.95": _rate(gbps)}
-        for mode, gbps in data["meta"]["needs_gbps"].items()
-    ]
-    return table + "\n\n" + markdown_table(needs, list(needs[0]))
+    return markdown_table(rows, list(rows[0]))
 
 
 def overhead(data: dict[str, Any]) -> str:
@@ -163,7 +113,6 @@ def overhead(data: dict[str, Any]) -> str:
     return markdown_table(rows, ["measure", "value"])
 
 
-PAPER_OUTER = "lr 0.7, momentum 0.9"  # DiLoCo's outer optimizer, the sweep's reference point
 RECOVERY_NAMES = {"kill_host_multi": "kill_host (two-host v5p learner)"}
 
 
@@ -245,8 +194,6 @@ def scavenging(data: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
-    "quality_sweep": quality_sweep,
-    "outer_rules": outer_rules,
     "goodput": goodput,
     "bandwidth": bandwidth,
     "overhead": overhead,
@@ -267,9 +214,6 @@ def block(name: str, results: Path = RESULTS) -> str:
         if meta
         else f"from `benchmarks/results/{name}.json`:"
     )
-    done, planned = meta.get("runs_done"), meta.get("runs_planned")
-    if done is not None and done < planned:  # a benchmark stopped before its end
-        where += f" (the first {done} of its {planned} planned runs)"
     return f"{where}\n\n{TABLES[name](data)}"
 
 

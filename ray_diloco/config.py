@@ -44,17 +44,13 @@ class InnerOptimizerConfig(_Frozen):
 class OuterOptimizerConfig(_Frozen):
     """SGD with Nesterov momentum, one state per fragment (algorithm.md section 6)."""
 
-    # lr 1.0 and a momentum warm-up measured best (README: the quality benchmark's sweep);
-    # the DiLoCo paper's lr 0.7 / momentum 0.9 was tuned for H = 500 and full rounds.
-    lr: float = Field(1.0, gt=0)
+    lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    # Momentum ramps linearly from 0 over this many outer steps of a fragment (0: none).
-    momentum_warmup_steps: int = Field(10, ge=0)
 
 
 Mode = Literal["decoupled", "synchronous", "data_parallel"]
-WireDtype = Literal["float32", "bfloat16", "int8", "int4", "int2"]
+WireDtype = Literal["float32", "bfloat16", "int8", "int4"]
 
 
 class DilocoConfig(_Frozen):
@@ -71,36 +67,19 @@ class DilocoConfig(_Frozen):
     mixing_alpha: float = Field(0.0, ge=0, lt=1)
     late_policy: Literal["next_round", "drop"] = "next_round"
     # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).
-    # "contributors" (default): only the learners whose contributions the round merged (one
-    # version back per contribution, as in Streaming DiLoCo), so no learner's local progress on
-    # a fragment is overwritten by rounds it took no part in, and fewer bytes move down; a
-    # learner whose contribution is refused gets the newest version at once. Measured better
-    # with round_step: share (README, "Where this departs from algorithm.md").
-    publish_to: Literal["all", "contributors"] = "contributors"
+    # "contributors": only the learners whose contributions the round merged (one version back
+    # per contribution, as in Streaming DiLoCo), so no learner's local progress on a fragment
+    # is overwritten by rounds it took no part in, and fewer bytes move down; a learner whose
+    # contribution is refused gets the newest version at once. Measured better with a grace
+    # window but far worse with K = 1 and no grace (learners' bases go stale, and deltas are
+    # anchored at the current global value): see the README's quality table.
+    publish_to: Literal["all", "contributors"] = "all"
     staleness_penalty: float = Field(0.0, ge=0)
-    # Versions of a fragment a contribution's base may lag behind (fencing). With K = 1 and
-    # publish_to: contributors a learner's base lags about M versions by construction.
-    max_staleness_versions: int = Field(16, ge=0)
-    # Outer gradient of a contribution. "current" (default, measured better): G_now - theta
-    # (algorithm.md section 6). "base": the learner's own update, G_base - theta, so a
-    # contribution based on an older version adds its work instead of pulling G toward theta.
-    anchor: Literal["current", "base"] = "current"
-    # Step size of a round. "full": every round takes a whole outer step. "share": a round
-    # that merged a share s of a full round's tokens (every live learner's sync_every steps)
-    # takes a fraction s of an outer step (outer.py), so K = 1 rounds do not add up.
-    round_step: Literal["full", "share"] = "share"
-    # Norm guard: a contribution whose own update per inner step exceeds norm_guard times the
-    # median of the fragment's recent accepted ones (after the inner warm-up) is refused, once
-    # norm_guard_min_samples of them are known (algorithm.md section 7).
+    max_staleness_versions: int = Field(4, ge=0)
     norm_guard: float = Field(10.0, gt=1)
-    norm_guard_min_samples: int = Field(8, ge=1)
-    wire_dtype: WireDtype = "int4"
-    # Publications down: a float dtype sends new global values; a quantized one (int8, int4,
-    # int2) sends each learner the difference to the value it holds, with error feedback, and
-    # full values (in bfloat16, float32 if wire_dtype is) to a learner that holds nothing known
-    # (algorithm/downstream.py). None: full values in bfloat16 (float32 if wire_dtype is).
-    publish_dtype: WireDtype | None = "int4"
-    int4_block_size: int = Field(64, ge=2, description="block of one scale, int4 and int2")
+    norm_guard_warmup_rounds: int = Field(5, ge=0)
+    wire_dtype: WireDtype = "bfloat16"
+    int4_block_size: int = Field(64, ge=2)
 
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]

@@ -58,8 +58,7 @@ class LearnerHost:
         self.name, self.host_index, self.num_hosts = self.lg.name, host_index, num_hosts
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        # received (fragment, version, values, base), not yet at a step boundary
-        self._incoming: list[tuple[int, int, Any, int | None]] = []
+        self._incoming: list[tuple[int, int, Any]] = []  # received, not yet at a boundary
         self.stop_reason = ""
         self._leaving = False
         self.transitions: list[dict[str, Any]] = []
@@ -96,16 +95,13 @@ class LearnerHost:
 
         return spmd.free_address()
 
-    def receive(
-        self, fragment: int, version: int, encoded: dict[str, Encoded], base: int | None = None
-    ) -> None:
-        """A published fragment (a synchronizer-owned object), for the next step boundary:
-        full values, or the difference to add to version `base` (algorithm/downstream.py)."""
+    def receive(self, fragment: int, version: int, encoded: dict[str, Encoded]) -> None:
+        """A published fragment (a synchronizer-owned object), for the next step boundary."""
         from ray_diloco.algorithm.wire import decode_tree
 
         values = decode_tree(encoded)
         with self._cond:
-            self._incoming.append((fragment, version, values, base))
+            self._incoming.append((fragment, version, values))
             self.counts["received"] += 1
             self._cond.notify_all()
 
@@ -195,15 +191,12 @@ class LearnerHost:
         from ray_diloco.algorithm import setup
 
         leader = self.host_index == 0
-        task = setup.task_of(self.cfg)
-        channel = None
-        if leader:
-            per_step = setup.tokens_per_step(task, self.lg)
-            channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts, per_step)
+        channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
         self.channel = channel
         # The parameters' layout only (abstract shapes): their values come from the
         # synchronizer (host 0) or by broadcast (the others), and computing them here would
         # cost seconds of every restart.
+        task = setup.task_of(self.cfg)
         tree = setup.layout_of(self.cfg, task)
         link: Any = spmd.LocalLink()
         layout, plan = None, None
@@ -285,16 +278,13 @@ class LearnerHost:
         blocked_since: float | None = None
         while True:
             with self._cond:
-                received, self._incoming = self._incoming, []
+                items, self._incoming = self._incoming, []
                 stop = self._stop.is_set()
-            # Host 0 (the only one receiving) resolves differences into full values, which
-            # every host of the learner then holds.
-            items = [full for r in received for full in core.resolve(*r)]
             leases = channel.take_leases() if channel is not None else []
             items, stop, leases = link.share_step(items, stop, leases)
             core.reader.add([Lease(*lease) for lease in leases])
             for item in items:
-                core.hold(*item)
+                core.receive(*item)
             core.apply_received()
             if stop:
                 return False

@@ -45,7 +45,6 @@ class SyncChannel:
         lg: LearnerGroupConfig,
         incarnation: int,
         counts: collections.Counter[str],
-        tokens_per_step: int,
     ) -> None:
         from ray_diloco.algorithm import links
 
@@ -55,7 +54,6 @@ class SyncChannel:
         self.name, self.region, self.incarnation = lg.name, lg.region, incarnation
         self.num_hosts = lg.num_hosts
         self.counts = counts
-        self.tokens_per_step = tokens_per_step  # the synchronizer bounds its claims with it
         # This learner's upstream pipe. (In the reference run the learners of a region share
         # one; here each learner has its own, as separate processes.)
         self.wan = links.LinkEmulator(cfg.links)
@@ -70,7 +68,7 @@ class SyncChannel:
         logger.info("learner %s: registering with the synchronizer", self.name)
         try:
             ref: Any = self.sync.register.remote(
-                self.name, self.incarnation, [self.me], self.region, held, self.tokens_per_step
+                self.name, self.incarnation, [self.me], self.region, held
             )
             reply = cast(dict[str, Any], ray.get(ref, timeout=REGISTER_TIMEOUT_S))
         except ray.exceptions.RayTaskError as err:

@@ -40,13 +40,13 @@ from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.version_mark import VersionMark
+from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
 if TYPE_CHECKING:
-    from ray_diloco.algorithm.downstream import Message
     from ray_diloco.algorithm.rounds import ContributionMeta
     from ray_diloco.algorithm.sync_core import Publication
     from ray_diloco.algorithm.wire import Encoded
@@ -118,18 +118,16 @@ class Synchronizer:
         host_handles: list[Any],
         region: str = LOCAL_REGION,
         held: tuple[list[tuple[int, int, int]], int, int] | None = None,
-        tokens_per_step: int | None = None,
     ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
         latest published version of every fragment, its data (cursor, offset into the first
         lease, leases) and the fragment plan (one source for every learner). `held`: what a
-        learner that kept training through this synchronizer's restore already holds.
-        `tokens_per_step`: the learner's batch in tokens (SynchronizerCore.register)."""
+        learner that kept training through this synchronizer's restore already holds."""
         from ray_diloco.algorithm.leases import Lease
 
         with self._lock:
             kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
-            a = self.core.register(learner, incarnation, self._now(), kept, tokens_per_step)
+            a = self.core.register(learner, incarnation, self._now(), kept)
             self._mark_leases()
             self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
             self.hosts[learner] = list(host_handles)
@@ -252,20 +250,18 @@ class Synchronizer:
         with self._lock:
             if self.finished_at is not None:
                 return "run_finished"
-            up = self.core.bytes_up.get(meta.learner, 0)
             verdict = self.core.offer(meta, delta, self._now())
-            up = self.core.bytes_up.get(meta.learner, 0) - up  # 0 if it was malformed
-            # Refused for being behind: it adopts the newest version (if it is still a target:
-            # the message records what it then holds).
-            behind = {n: h for n, h in self._targets().items() if n == meta.learner}
-            newest = self.core.catch_up(meta, verdict) if behind else None
-            if newest is not None:
-                self.core.sent(meta.learner, newest.nbytes)
+            newest = self.core.catch_up(meta, verdict)
+            behind: dict[str, list[Any]] = {}
+            if newest is not None:  # refused for being behind: it adopts the newest version
+                behind = {n: h for n, h in self._targets().items() if n == meta.learner}
+                for learner in behind:
+                    self.core.sent(learner, tree_bytes(newest[1]))
         if newest is not None:
-            self._publish({meta.learner: newest}, behind)
+            self._publish(meta.fragment, *newest, behind)
         self._wake.set()
         region = self.regions.get(meta.learner, LOCAL_REGION)
-        self.metrics.link_bytes(meta.learner, region, "up", up)
+        self.metrics.link_bytes(meta.learner, region, "up", tree_bytes(delta))
         if verdict.value != "accepted":
             self.metrics.contribution_rejected(meta.learner, verdict.value)
             with self._lock:
@@ -368,10 +364,9 @@ class Synchronizer:
                     self.versions_mark.update(self.core.book.versions())
                 active = self._targets()
                 targets = {n: active[n] for n in self.core.recipients(pub, active)}
-                messages = self.core.messages(pub, targets)  # records what each now holds
                 live = len(self.core.book.live(self._now()))
-                for learner, msg in messages.items():
-                    self.core.sent(learner, msg.nbytes)
+                for learner in targets:
+                    self.core.sent(learner, pub.nbytes)
                 self.journal.record(
                     RoundClosed(
                         time.time(),
@@ -383,7 +378,7 @@ class Synchronizer:
                         close.closed_s - close.quorum_s,
                     )
                 )
-            self._publish(messages, targets)
+            self._publish(pub.fragment, pub.version, pub.encoded, targets)
             self._round_metrics(pub, live)
 
     def _targets(self) -> dict[str, list[Any]]:
@@ -392,21 +387,24 @@ class Synchronizer:
         members = self.core.book.members
         return {n: h for n, h in self.hosts.items() if n in members and members[n].active}
 
-    def _publish(self, messages: dict[str, Message], targets: dict[str, list[Any]]) -> None:
-        """Send each learner its message; learners that get the same message share one
-        `ray.put` (owned by the synchronizer)."""
-        refs: dict[int, Any] = {}
+    def _publish(
+        self,
+        fragment: int,
+        version: int,
+        encoded: dict[str, Encoded],
+        targets: dict[str, list[Any]],
+    ) -> None:
+        ref = ray.put(encoded)  # owned by the synchronizer, shared by every send
+        nbytes = tree_bytes(encoded)
         now = time.monotonic()
-        for learner, msg in messages.items():
-            if id(msg) not in refs:
-                refs[id(msg)] = ray.put(msg.encoded)
+        for learner, handles in targets.items():
             # Each copy occupies the region's serial downstream pipe, as in the reference run.
             region = self.regions.get(learner, LOCAL_REGION)
-            delay = self._wan.arrival(region, "down", msg.nbytes, now) - now
-            for host in targets[learner]:
-                send = functools.partial(_send, host, msg, refs[id(msg)])
+            delay = self._wan.arrival(region, "down", nbytes, now) - now
+            for host in handles:
+                send = functools.partial(_send, host, fragment, version, ref)
                 self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, region, "down", msg.nbytes)
+            self.metrics.link_bytes(learner, region, "down", nbytes)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
@@ -455,9 +453,9 @@ class Synchronizer:
         return time.monotonic()
 
 
-def _send(host: Any, msg: Message, ref: Any) -> None:
+def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
     # Fire and forget: a learner that is down gets the latest version when it registers again.
-    host.receive.remote(msg.fragment, msg.version, ref, msg.base)
+    host.receive.remote(fragment, version, ref)
 
 
 def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:

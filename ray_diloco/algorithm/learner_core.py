@@ -164,11 +164,6 @@ class LearnerCore:
         self.steps_since = [0] * num_fragments  # inner steps since fragment p was received
         self.tokens_since = [0] * num_fragments
         self.params: dict[str, jax.Array] = {}
-        # Per fragment, the newest version received (adopted or waiting in the inbox) and its
-        # value: what a published difference adds to (downstream.py). Differences whose base
-        # has not arrived yet wait in `gaps` (fragment -> base version -> (version, diff)).
-        self.head: list[tuple[int, Mapping[str, np.ndarray]]] = [(-1, {})] * num_fragments
-        self.gaps: dict[int, dict[int, tuple[int, Mapping[str, np.ndarray]]]] = {}
         self.adopt(snapshot)
         self.opt_state = self._fresh_opt_state()
         self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
@@ -188,52 +183,8 @@ class LearnerCore:
         for p, (version, values) in snapshot.items():
             self._overwrite(p, version, values, alpha=0.0)
 
-    def receive(
-        self,
-        fragment: int,
-        version: int,
-        values: Mapping[str, np.ndarray],
-        base: int | None = None,
-    ) -> None:
-        """A publication: full values (`base` None) or the difference to add to version
-        `base`. Held until the next step boundary (`apply_received`)."""
-        for item in self.resolve(fragment, version, values, base):
-            self.hold(*item)
-
-    def resolve(
-        self,
-        fragment: int,
-        version: int,
-        values: Mapping[str, np.ndarray],
-        base: int | None = None,
-    ) -> list[tuple[int, int, dict[str, np.ndarray]]]:
-        """Turn a publication into the full values of the versions it completes, in order: a
-        difference adds to the version it names once that has arrived (differences can arrive
-        out of order); one based on a version older than the newest received is obsolete."""
-        if base is not None:
-            self.gaps.setdefault(fragment, {})[base] = (version, values)
-        elif version > self.head[fragment][0]:
-            self.head[fragment] = (
-                version,
-                {k: np.asarray(v, np.float32) for k, v in values.items()},
-            )
-        else:
-            return []
-        out = [] if base is not None else [(fragment, version, dict(self.head[fragment][1]))]
-        gaps = self.gaps.get(fragment, {})
-        for stale in [b for b in gaps if b < self.head[fragment][0]]:
-            del gaps[stale]
-        while self.head[fragment][0] in gaps:
-            have, copy = self.head[fragment]
-            new, diff = gaps.pop(have)
-            # float32 + float32, exactly as the synchronizer's record of this copy
-            full = {k: copy[k] + np.asarray(diff[k], np.float32) for k in copy}
-            self.head[fragment] = (new, full)
-            out.append((fragment, new, full))
-        return out
-
-    def hold(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> None:
-        """Hold full values of a fragment until the next step boundary (`apply_received`)."""
+    def receive(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> None:
+        """Hold a published fragment until the next step boundary (`apply_received`)."""
         held = self.inbox.get(fragment)
         if held is None or version > held[0]:
             self.inbox[fragment] = (version, values)
@@ -269,8 +220,6 @@ class LearnerCore:
         # Decision (algorithm.md section 4): the inner optimizer state is kept.
         self.base_values[p] = host
         self.base_version[p] = version
-        if version > self.head[p][0]:  # adopted: a snapshot is newer than anything received
-            self.head[p] = (version, host)
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
 

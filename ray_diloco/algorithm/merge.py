@@ -97,35 +97,12 @@ def outer_gradient(
     embedding_paths: Collection[str] = (),
     method: MergeMethod = "rda",
 ) -> dict[str, np.ndarray]:
-    """The merged outer gradient of one fragment, anchored at the synchronizer's current value
-    (`anchor: current`): each contribution is `(theta_c, w_c)` and its outer gradient is
-    `delta_c = G - theta_c`. See `merge_outer_gradients`."""
-    deltas = []
-    for i, (values, weight) in enumerate(contributions):
-        delta = {}
-        for path, global_value in global_values.items():
-            if path not in values:
-                raise KeyError(f"outer_gradient: contribution {i} lacks leaf {path!r}")
-            g, theta = np.asarray(global_value, np.float64), np.asarray(values[path])
-            if theta.shape != g.shape:
-                raise ValueError(
-                    f"outer_gradient: leaf {path!r} of contribution {i} has shape "
-                    f"{theta.shape}, the global value {g.shape}"
-                )
-            delta[path] = g - theta
-        deltas.append((delta, weight))
-    return merge_outer_gradients(global_values, deltas, embedding_paths, method)
+    """The merged outer gradient of one fragment, per leaf of `global_values`.
 
-
-def merge_outer_gradients(
-    global_values: Mapping[str, ArrayLike],
-    contributions: Sequence[tuple[Mapping[str, ArrayLike], float]],
-    embedding_paths: Collection[str] = (),
-    method: MergeMethod = "rda",
-) -> dict[str, np.ndarray]:
-    """Merge per-contribution outer gradients `(delta_c, w_c)` leaf by leaf, for every leaf of
-    `global_values` (whose shapes they must have). Embedding leaves always use the weighted
-    mean; the others use RDA, or the weighted mean when `method == "mean"`. Returns float32."""
+    Each contribution is `(theta_c, w_c)`; its outer gradient is `delta_c = G - theta_c`, anchored
+    at the synchronizer's current value G. Embedding leaves always use the weighted mean; the
+    others use RDA, or the weighted mean when `method == "mean"`. Returns float32 arrays.
+    """
     if method not in ("rda", "mean"):
         raise ValueError(f"diloco.merge={method!r}: expected 'rda' or 'mean'")
     if not contributions:
@@ -133,30 +110,32 @@ def merge_outer_gradients(
     weights = [weight for _, weight in contributions]
     result: dict[str, np.ndarray] = {}
     for path, global_value in global_values.items():
-        shape = np.shape(global_value)
+        g = np.asarray(global_value, dtype=np.float64)
         deltas = []
-        for i, (delta, _) in enumerate(contributions):
-            if path not in delta:
+        for i, (values, _) in enumerate(contributions):
+            if path not in values:
                 raise KeyError(f"outer_gradient: contribution {i} lacks leaf {path!r}")
-            d = np.asarray(delta[path], dtype=np.float64)
-            if d.shape != shape:
+            theta = np.asarray(values[path], dtype=np.float64)
+            if theta.shape != g.shape:
                 raise ValueError(
                     f"outer_gradient: leaf {path!r} of contribution {i} has shape "
-                    f"{d.shape}, the global value {shape}"
+                    f"{theta.shape}, the global value {g.shape}"
                 )
-            deltas.append(d)
+            deltas.append(g - theta)
         use_mean = method == "mean" or path in embedding_paths
         result[path] = weighted_mean(deltas, weights) if use_mean else rda(deltas, weights)
     return result
 
 
-def tree_norm(values: Mapping[str, ArrayLike]) -> float:
-    """L2 norm over every leaf of a fragment, e.g. of a learner's own update (the quantity the
-    norm guard divides by its steps and compares with its running median, section 7)."""
+def outer_grad_norm(
+    global_values: Mapping[str, ArrayLike], values: Mapping[str, ArrayLike]
+) -> float:
+    """L2 norm of `G - theta` over the whole fragment (all leaves of `global_values`): the
+    quantity the norm guard compares with its running median (section 7)."""
     total = 0.0
-    for v in values.values():
-        a = np.asarray(v, dtype=np.float64)
-        total += float(np.vdot(a, a))
+    for path, global_value in global_values.items():
+        diff = np.asarray(global_value, dtype=np.float64) - np.asarray(values[path], np.float64)
+        total += float(np.vdot(diff, diff))
     return math.sqrt(total)
 
 

@@ -1,30 +1,20 @@
 """Layer: algorithm (pure, no Ray). The outer optimizer: SGD with Nesterov momentum applied by
 the synchronizer to each fragment's global value with the merged outer gradient, one optimizer
-state per fragment (algorithm.md section 6), extended to *partial* rounds.
+state per fragment. Implements algorithm.md section 6.
 
-A round that merged only a share `s` (0 < s <= 1) of a full round's work (e.g. one learner of
-four with K = 1) takes a fraction `s` of an outer step, so M one-learner rounds move the model
-about as far as one round that merges all M (the paper's outer step), instead of M times as far:
+The synchronizer keeps values and optimizer state on the host, so `outer_step` takes and returns
+NumPy float32 arrays (state leaves too) whatever optax computes with internally.
 
-    trace <- momentum**s * trace + s * g
-    G     <- G - lr * s * (g + momentum * trace)      (Nesterov; without: G - lr * s * trace)
-
-With s = 1 this is exactly `optax.sgd(lr, momentum, nesterov)` (a unit test pins that), and for
-a steady gradient g the trace settles near g / (1 - momentum) whatever s is, so a window of
-partial rounds moves G as far as one full round. `momentum_warmup_steps` ramps the momentum
-linearly from 0 over the first outer steps (counted in shares).
-
-Values and state are NumPy float32 on the host (the synchronizer checkpoints and pickles them).
-
-Example, one full step from 0 with DiLoCo's outer optimizer (lr 0.7, Nesterov momentum 0.9, no
-warm-up) and gradient 1 moves by `-0.7 * (1 + 0.9 * 1) = -1.33`:
+Example, one step from 0 with the defaults (lr 0.7, momentum 0.9, Nesterov) and gradient 1:
+optax's Nesterov update is `g + momentum * trace` with `trace = g + momentum * trace_prev`, so
+the first step moves by `-0.7 * (1 + 0.9 * 1) = -1.33`.
 
 >>> import numpy as np
 >>> from ray_diloco.config import OuterOptimizerConfig
->>> opt = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_steps=0)
+>>> tx = make_outer_optimizer(OuterOptimizerConfig())
 >>> values = {"w": np.zeros(2, np.float32)}
->>> state = init_outer_state(opt, values)
->>> values, state = outer_step(opt, values, state, {"w": np.ones(2, np.float32)})
+>>> state = init_outer_state(tx, values)
+>>> values, state = outer_step(tx, values, state, {"w": np.ones(2, np.float32)})
 >>> values["w"].round(5)  # float32 rounding aside
 array([-1.33, -1.33], dtype=float32)
 """
@@ -34,52 +24,54 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
+import optax
 from numpy.typing import ArrayLike
 
 from ray_diloco.config import OuterOptimizerConfig
+
+
+def make_outer_optimizer(cfg: OuterOptimizerConfig) -> optax.GradientTransformation:
+    """`optax.sgd(lr, momentum, nesterov)`. The momentum trace is kept even when momentum is 0
+    so the state has the same structure for every config (checkpoints stay comparable)."""
+    return optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
 
 
 def _host(values: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
     return {path: np.asarray(v, dtype=np.float32) for path, v in values.items()}
 
 
-def init_outer_state(opt: OuterOptimizerConfig, values: Mapping[str, ArrayLike]) -> dict[str, Any]:
-    """Fresh state for one fragment: a zero momentum trace per leaf and the outer steps taken
-    (the trace is kept even when momentum is 0, so every config has the same structure)."""
-    return {
-        "trace": {path: np.zeros_like(v) for path, v in _host(values).items()},
-        "steps": np.zeros((), np.float32),
-    }
+def _host_state(state: Any) -> Any:
+    # optax builds its state with jnp; the synchronizer pickles and checkpoints it, so keep it as
+    # plain NumPy (the same bytes, no device buffers).
+    return jax.tree.map(np.asarray, state)
+
+
+def init_outer_state(tx: optax.GradientTransformation, values: Mapping[str, ArrayLike]) -> Any:
+    """Fresh outer optimizer state for one fragment (zero momentum), with NumPy leaves."""
+    return _host_state(tx.init(_host(values)))
 
 
 def outer_step(
-    opt: OuterOptimizerConfig,
+    tx: optax.GradientTransformation,
     values: Mapping[str, ArrayLike],
-    state: Mapping[str, Any],
+    opt_state: Any,
     outer_grad: Mapping[str, ArrayLike],
-    share: float = 1.0,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """One (fractional) outer step on a fragment with the merged outer gradient `G - theta`
-    (a descent direction: with lr 1, no momentum and share 1 the new value is the merged
-    learner value). Returns new float32 values and state; the inputs are not modified."""
+) -> tuple[dict[str, np.ndarray], Any]:
+    """One outer step on a fragment: `G <- G + tx.update(outer_grad)`.
+
+    `outer_grad` is the merged `G - theta` (merge.outer_gradient), a descent direction, so with
+    lr 1 and no momentum the new value is the merged learner value. Returns float32 NumPy values
+    and NumPy state; the inputs are not modified.
+    """
     if values.keys() != outer_grad.keys():
         raise ValueError(
             f"outer_step: outer gradient leaves {sorted(outer_grad)} differ from the "
             f"fragment's {sorted(values)}"
         )
-    if not 0.0 < share <= 1.0:
-        raise ValueError(f"outer_step: share={share} must be in (0, 1]")
-    steps = float(state["steps"])
-    momentum = opt.momentum
-    if opt.momentum_warmup_steps:
-        momentum *= min(1.0, steps / opt.momentum_warmup_steps)
-    decay = momentum**share
-    new_values, trace = {}, {}
-    for path, v in _host(values).items():
-        g = np.asarray(outer_grad[path], np.float32)
-        t = decay * np.asarray(state["trace"][path], np.float32) + share * g
-        update = g + momentum * t if opt.nesterov else t
-        new_values[path] = (v - opt.lr * share * update).astype(np.float32)
-        trace[path] = t.astype(np.float32)
-    return new_values, {"trace": trace, "steps": np.asarray(steps + share, np.float32)}
+    params = _host(values)
+    grads = _host({path: outer_grad[path] for path in params})
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_values = optax.apply_updates(params, updates)
+    return _host(new_values), _host_state(new_state)

@@ -15,12 +15,6 @@ A round of fragment p closes when both hold:
 The grace window is fixed when the quorum is reached:
   grace = min(grace_max_s, grace_fraction * max(0, overlap_steps * step_time
                                                   - (quorum_wait + sync_time)))
-
-Guards (section 7) refuse, with a reason (`Verdict`), what must never reach the global model or
-the ledger: unknown learners and fragments, older incarnations, versions out of range, empty or
-impossible counters (more tokens than its batches hold, more steps than it has taken since it
-registered), a replay of a step already offered, non-finite values, and an update whose norm per
-inner step is more than `norm_guard` times the median of the fragment's recent accepted ones.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from typing import Any
 
 from ray_diloco.config import DilocoConfig, SynchronizerConfig
 
-NORM_HISTORY = 32  # accepted per-step update norms kept per fragment for the running median
+NORM_HISTORY = 32  # accepted outer-gradient norms kept per fragment for the running median
 
 
 @dataclass(frozen=True)
@@ -47,19 +41,14 @@ class RoundPolicy:
     late_policy: str
     max_staleness_versions: int
     norm_guard: float
-    norm_guard_min_samples: int
+    norm_guard_warmup_rounds: int
     heartbeat_timeout_s: float
     step_time_ema: float
-    inner_warmup_steps: int = 0
     everyone: bool = False  # K is every learner in the run (synchronous mode's barrier)
 
     @classmethod
     def from_config(
-        cls,
-        diloco: DilocoConfig,
-        sync: SynchronizerConfig,
-        num_learners: int,
-        inner_warmup_steps: int = 0,
+        cls, diloco: DilocoConfig, sync: SynchronizerConfig, num_learners: int
     ) -> RoundPolicy:
         # Synchronous mode (algorithm.md section 8): K = M and no grace, i.e. a barrier.
         synchronous = diloco.mode == "synchronous"
@@ -71,10 +60,9 @@ class RoundPolicy:
             late_policy=diloco.late_policy,
             max_staleness_versions=diloco.max_staleness_versions,
             norm_guard=diloco.norm_guard,
-            norm_guard_min_samples=diloco.norm_guard_min_samples,
+            norm_guard_warmup_rounds=diloco.norm_guard_warmup_rounds,
             heartbeat_timeout_s=sync.heartbeat_timeout_s,
             step_time_ema=sync.step_time_ema,
-            inner_warmup_steps=inner_warmup_steps,
             everyone=synchronous,
         )
 
@@ -95,18 +83,12 @@ class ContributionMeta:
 class Verdict(enum.StrEnum):
     ACCEPTED = "accepted"
     UNKNOWN_LEARNER = "unknown_learner"
-    UNKNOWN_FRAGMENT = "unknown_fragment"
     OLD_INCARNATION = "old_incarnation"
     STALE_VERSION = "stale_version"
     FUTURE_VERSION = "future_version"
-    LATE = "late"  # arrived while its round was merging, under `late_policy: drop`
     EMPTY = "empty"
-    ABSURD_COUNTERS = "absurd_counters"
-    REPLAYED = "replayed"
     NON_FINITE = "non_finite"
     NORM_OUTLIER = "norm_outlier"
-    WRONG_SHAPE = "wrong_shape"
-    WRONG_DTYPE = "wrong_dtype"
     MALFORMED = "malformed"
 
 
@@ -133,7 +115,6 @@ class RoundClose:
     quorum_s: float
     grace_s: float
     closed_s: float
-    live: frozenset[str] = frozenset()  # the learners live when it closed
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +130,6 @@ class _FragmentState:
     grace_s: float = 0.0
     merging: bool = False
     norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
-    last_step: dict[str, int] = field(default_factory=dict)  # learner -> step of its last offer
     # learner -> (base version, steps, tokens) of its counters already merged on that base,
     # and what they were before the round now merging (restored if the merge is aborted).
     merged: dict[str, tuple[int, int, int]] = field(default_factory=dict)
@@ -162,8 +142,6 @@ class _Member:
     last_seen_s: float
     step_time_s: float | None = None
     active: bool = True
-    start_step: int = 0  # the inner step this incarnation started at
-    tokens_per_step: int | None = None  # its batch; None: not checked
 
 
 class RoundBook:
@@ -186,43 +164,20 @@ class RoundBook:
 
     # -- membership (section 7) -------------------------------------------------------------
 
-    def register(
-        self,
-        learner: str,
-        incarnation: int,
-        now: float,
-        *,
-        start_step: int = 0,
-        tokens_per_step: int | None = None,
-    ) -> tuple[dict[int, int], list[Pending]]:
-        """Admit `incarnation` of `learner` (starting at inner step `start_step`), fencing
-        older ones. Returns the versions to adopt and the learner's pending entries that were
-        dropped: it adopts every fragment afresh and its counters restart, so an entry from
-        before cannot be combined with its next offers (its work is lost, like any fenced
-        contribution's; the caller counts it as rejected)."""
+    def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
+        """Admit `incarnation` of `learner`, fencing older ones. Returns the versions to adopt."""
         old = self.members.get(learner)
         if old is not None and incarnation < old.incarnation:
             raise ValueError(
                 f"learner {learner!r}: incarnation {incarnation} is older than the registered "
                 f"{old.incarnation}; a restarted learner must use a higher incarnation"
             )
-        self.members[learner] = _Member(
-            incarnation=incarnation,
-            last_seen_s=now,
-            start_step=start_step,
-            tokens_per_step=tokens_per_step,
-        )
+        self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
         if self.roster is not None:
             self.roster.add(learner)
-        dropped = []
         for frag in self.fragments:  # the new incarnation adopts every fragment afresh
             frag.merged.pop(learner, None)
-            frag.last_step.pop(learner, None)
-            entry = frag.pending.pop(learner, None)
-            if entry is not None:
-                dropped.append(entry)
-                self._reopen(frag, now)
-        return self.versions(), dropped
+        return self.versions()
 
     def heartbeat(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None
@@ -285,16 +240,14 @@ class RoundBook:
         now: float,
         *,
         finite: bool = True,
-        update_norm: float | None = None,
+        outer_grad_norm: float | None = None,
         payload: Any = None,
     ) -> Verdict:
-        """Fence and guard a contribution, then add it to its fragment's pending set.
-        `update_norm` is the L2 norm of the learner's own update (its delta to its base)."""
-        verdict = self._check(meta, finite, update_norm)
+        """Fence and guard a contribution, then add it to its fragment's pending set."""
+        verdict = self._check(meta, finite, outer_grad_norm)
         if verdict is not Verdict.ACCEPTED:
             return verdict
         frag = self.fragments[meta.fragment]
-        frag.last_step[meta.learner] = meta.step
         steps, tokens = meta.num_steps, meta.num_tokens
         done = frag.merged.get(meta.learner)
         if done is not None and done[0] == meta.base_version:
@@ -304,8 +257,8 @@ class RoundBook:
             steps, tokens = steps - done[1], tokens - done[2]
             if steps <= 0 or tokens <= 0:
                 return Verdict.EMPTY
-        if update_norm is not None and self._past_warmup(meta):
-            frag.norms.append(update_norm / meta.num_steps)
+        if outer_grad_norm is not None:
+            frag.norms.append(outer_grad_norm)
         old = frag.pending.get(meta.learner)
         if old is not None and old.meta.base_version < meta.base_version:
             # The learner's counters restart when it adopts a new version, so work in an entry
@@ -319,23 +272,12 @@ class RoundBook:
         self._maybe_reach_quorum(frag, now)
         return Verdict.ACCEPTED
 
-    def fence(self, meta: ContributionMeta) -> Verdict | None:
-        """Who may contribute at all: a registered learner's current incarnation, to a fragment
-        that exists. None when it may."""
+    def _check(self, meta: ContributionMeta, finite: bool, norm: float | None) -> Verdict:
         m = self.members.get(meta.learner)
         if m is None:
             return Verdict.UNKNOWN_LEARNER
-        if not 0 <= meta.fragment < len(self.fragments):
-            return Verdict.UNKNOWN_FRAGMENT
         if meta.incarnation != m.incarnation:
             return Verdict.OLD_INCARNATION
-        return None
-
-    def _check(self, meta: ContributionMeta, finite: bool, norm: float | None) -> Verdict:
-        fenced = self.fence(meta)
-        if fenced is not None:
-            return fenced
-        m = self.members[meta.learner]
         # Non-finite before the version checks: it says the learner's state may be corrupt
         # (the supervisor restarts it), which matters however stale the contribution is.
         if not finite or (norm is not None and norm != norm):
@@ -347,43 +289,16 @@ class RoundBook:
             return Verdict.STALE_VERSION
         if meta.num_steps <= 0 or meta.num_tokens <= 0:
             return Verdict.EMPTY
-        if self._absurd(meta, m):
-            return Verdict.ABSURD_COUNTERS
-        # Steps only grow within an incarnation: an offer at a step already offered is a replay
-        # (or a reordered older message), and merging it would count its tokens twice.
-        if meta.step <= frag.last_step.get(meta.learner, -1):
-            return Verdict.REPLAYED
-        if frag.merging and self.policy.late_policy == "drop":
-            return Verdict.LATE
-        if norm is not None and self._outlier(frag, norm / meta.num_steps):
-            return Verdict.NORM_OUTLIER
+        # The warm-up counts closed rounds of this fragment, not stored norms: with M learners
+        # one round adds M norms, and norms still grow ~10x while the inner learning rate warms
+        # up, so counting norms rejected honest contributions in round 2 (and, in synchronous
+        # mode, left every learner blocked on a round that could never reach K = M).
+        warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
+        if norm is not None and warm and frag.norms:
+            median = statistics.median(frag.norms)
+            if median > 0 and norm > self.policy.norm_guard * median:
+                return Verdict.NORM_OUTLIER
         return Verdict.ACCEPTED
-
-    @staticmethod
-    def _absurd(meta: ContributionMeta, m: _Member) -> bool:
-        """Counters no honest learner can send: more steps since its base than it has taken
-        in this incarnation, or more tokens than its batches hold."""
-        if meta.num_steps > meta.step - m.start_step:
-            return True
-        return m.tokens_per_step is not None and meta.num_tokens > (
-            meta.num_steps * m.tokens_per_step
-        )
-
-    def _past_warmup(self, meta: ContributionMeta) -> bool:
-        """The contribution covers only steps after the inner learning-rate warm-up."""
-        return meta.step - meta.num_steps >= self.policy.inner_warmup_steps
-
-    def _outlier(self, frag: _FragmentState, per_step: float) -> bool:
-        """The norm guard (algorithm.md section 7, revised): the learner's own update per inner
-        step against the median of the fragment's last accepted ones. Per step, because a
-        contribution covering more steps is longer by construction; the learner's own update,
-        because the distance to the current global value includes other learners' drift; and
-        only history from after the inner warm-up, while which updates still grow tenfold.
-        Armed once `norm_guard_min_samples` such norms are known."""
-        if len(frag.norms) < max(1, self.policy.norm_guard_min_samples):
-            return False
-        median = statistics.median(frag.norms)
-        return median > 0 and per_step > self.policy.norm_guard * median
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
         if frag.quorum_s is not None or len(frag.pending) < self.quorum():
@@ -407,7 +322,7 @@ class RoundBook:
                 continue
             everyone_in = live <= frag.pending.keys()
             if everyone_in or now >= frag.quorum_s + frag.grace_s:
-                closes.append(self._close(p, frag, now, live))
+                closes.append(self._close(p, frag, now))
         return closes
 
     def next_deadline(self) -> float | None:
@@ -419,7 +334,7 @@ class RoundBook:
         ]
         return min(deadlines, default=None)
 
-    def _close(self, p: int, frag: _FragmentState, now: float, live: set[str]) -> RoundClose:
+    def _close(self, p: int, frag: _FragmentState, now: float) -> RoundClose:
         entries = tuple(sorted(frag.pending.values(), key=lambda e: e.meta.learner))
         assert frag.opened_s is not None and frag.quorum_s is not None
         close = RoundClose(
@@ -431,7 +346,6 @@ class RoundBook:
             quorum_s=frag.quorum_s,
             grace_s=frag.grace_s,
             closed_s=now,
-            live=frozenset(live),
         )
         frag.undo = {e.meta.learner: frag.merged.get(e.meta.learner) for e in entries}
         for e in entries:
@@ -454,14 +368,15 @@ class RoundBook:
         frag.undo = {}
         a = self.policy.step_time_ema
         self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
+        if self.policy.late_policy == "drop":
+            # Contributions that arrived while their round was merging are late: drop them.
+            kept = {k: e for k, e in frag.pending.items() if e.meta.base_version >= frag.version}
+            if len(kept) != len(frag.pending):
+                frag.pending = kept
+                frag.opened_s = min((e.arrived_s for e in kept.values()), default=None)
+                frag.quorum_s = None
         self._maybe_reach_quorum(frag, now)
         return frag.version
-
-    def _reopen(self, frag: _FragmentState, now: float) -> None:
-        """The pending set lost an entry: the round's opening and quorum follow what is left."""
-        frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
-        if len(frag.pending) < self.policy.quorum_min:
-            frag.quorum_s, frag.grace_s = None, 0.0
 
     def abort(self, close: RoundClose, now: float) -> None:
         """Merging failed: put the contributions back so no work is forgotten."""

@@ -1,19 +1,15 @@
 """Layer: algorithm (pure, no Ray). The synchronizer's state and work, without any transport.
 
-Holds the global value of every fragment, the per-fragment outer optimizer state, the newest
-published version (what a joining learner adopts), the record of what each learner was sent
-(downstream.py: the bases its deltas are relative to, and what quantized publications are
-differences to), the round book and the token ledger. `offer` checks a contribution's structure
-(fragment, leaves, shapes, wire dtype), decodes its wire delta, guards it and hands its outer
-gradient to the round book; `poll` closes due rounds: token-weighted RDA merge, (partial)
-Nesterov outer step, commit, and the value to publish (algorithm.md sections 5 to 7). The
-in-process reference run (`simulate.py`) and the Ray synchronizer actor both wrap this class,
-so they cannot drift apart.
+Holds the global value of every fragment, the per-fragment outer optimizer state, the recent
+published versions (the bases learners' deltas are relative to), the round book and the token
+ledger. `offer` reconstructs a contribution from its wire delta, guards it and hands it to the
+round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step, commit,
+and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
+(`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -22,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
-from ray_diloco.algorithm.downstream import Downstream, Message, Published
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
@@ -38,22 +33,7 @@ from ray_diloco.config import RunConfig
 Values = dict[str, np.ndarray]
 # Refusals after which a learner of the current incarnation must adopt the newest version.
 CATCH_UP = frozenset(
-    {
-        Verdict.STALE_VERSION,
-        Verdict.FUTURE_VERSION,
-        Verdict.LATE,
-        Verdict.NORM_OUTLIER,
-        Verdict.NON_FINITE,
-    }
-)
-# Refusals whose counters say nothing about work lost (a stranger's, a replay's, a lie).
-UNTRUSTED_COUNTERS = frozenset(
-    {
-        Verdict.UNKNOWN_LEARNER,
-        Verdict.UNKNOWN_FRAGMENT,
-        Verdict.ABSURD_COUNTERS,
-        Verdict.REPLAYED,
-    }
+    {Verdict.STALE_VERSION, Verdict.FUTURE_VERSION, Verdict.NORM_OUTLIER, Verdict.NON_FINITE}
 )
 
 
@@ -70,16 +50,17 @@ class Admission:
 
 @dataclass(frozen=True)
 class Publication:
-    """A merged fragment's new version (`messages` says what each recipient gets of it)."""
+    """A merged fragment to send to every live learner."""
 
     fragment: int
-    published: Published
+    version: int
+    encoded: dict[str, wire.Encoded]
     close: RoundClose
     sync_time_s: float
 
     @property
-    def version(self) -> int:
-        return self.published.version
+    def nbytes(self) -> int:
+        return wire.tree_bytes(self.encoded)
 
 
 class SynchronizerCore:
@@ -87,9 +68,7 @@ class SynchronizerCore:
         self.cfg = cfg
         self.plan = plan
         self.book = RoundBook(
-            RoundPolicy.from_config(
-                cfg.diloco, cfg.synchronizer, cfg.num_learners, cfg.inner.warmup_steps
-            ),
+            RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
             roster={lg.name for lg in cfg.learners},
@@ -98,13 +77,13 @@ class SynchronizerCore:
         self.ledger = TokenLedger(DataPool(cfg.data_parts, e.lease_tokens, e.lease_ahead))
         # The configured learners read their own part of the data; joiners have none.
         self.homes = {lg.name: i for i, lg in enumerate(cfg.learners) if i < cfg.data_parts}
+        self.tx = outer.make_outer_optimizer(cfg.outer)
         self.values: list[Values] = [
             {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
         ]
-        self.outer_states = [outer.init_outer_state(cfg.outer, v) for v in self.values]
-        # Version 0 is the shared initialisation every learner starts from, exactly (float32).
-        self.newest = [Published(0, v, wire.encode_tree(v, "float32"), v) for v in self.values]
-        self.down = Downstream(cfg.diloco, plan.num_fragments)
+        self.outer_states = [outer.init_outer_state(self.tx, v) for v in self.values]
+        # Version 0 is the shared initialisation every learner starts from, exactly.
+        self.published: list[dict[int, Values]] = [{0: v} for v in self.values]
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -118,33 +97,18 @@ class SynchronizerCore:
         incarnation: int,
         now: float,
         held: tuple[list[Lease], int, int] | None = None,
-        tokens_per_step: int | None = None,
     ) -> Admission:
         """Admit `incarnation` of `learner` (fencing older ones): the versions it adopts and
         the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
-        cursor) of a learner that kept training through a synchronizer restore.
-        `tokens_per_step`: its batch, which bounds the tokens its contributions may claim and
-        sizes a full round (`round_share`); None: not checked. Its contributions still pending
-        from an older incarnation are dropped and counted as rejected (RoundBook.register)."""
-        cursor = self.ledger.resume_cursor(learner)
-        if held is not None:
-            cursor = max(cursor, held[2])
-        versions, dropped = self.book.register(
-            learner,
-            incarnation,
-            now,
-            start_step=cursor // tokens_per_step if tokens_per_step else 0,
-            tokens_per_step=tokens_per_step,
-        )
-        for entry in dropped:
-            self._reject(Verdict.OLD_INCARNATION, entry.meta, entry.num_tokens)
-        self.down.adopted(learner, self.snapshot())
+        cursor) of a learner that kept training through a synchronizer restore."""
+        versions = self.book.register(learner, incarnation, now)
         if held is not None:
             self.ledger.pool.reclaim(learner, *held)
             acct = self.ledger.account(learner)
             acct.cursor = max(acct.cursor, held[2])
         leases, offset = self.ledger.join(learner, self.homes.get(learner))
-        return Admission(versions, leases, offset, self.ledger.resume_cursor(learner))
+        cursor = self.ledger.resume_cursor(learner)
+        return Admission(versions, leases, offset, cursor)
 
     def leave(self, learner: str, now: float) -> list[Lease]:
         """`learner` left the run for good: out of the quorum, its unread data back to the
@@ -152,9 +116,13 @@ class SynchronizerCore:
         self.book.leave(learner, now)
         return self.ledger.leave(learner)
 
-    def snapshot(self) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
+    def snapshot(self) -> dict[int, tuple[int, Values]]:
         """The latest published version of every fragment: what a (re)joining learner adopts."""
-        return {p: (pub.version, pub.decoded) for p, pub in enumerate(self.newest)}
+        out = {}
+        for p, hist in enumerate(self.published):
+            v = max(hist)
+            out[p] = (v, hist[v])
+        return out
 
     def report(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None, cursor: int
@@ -168,69 +136,29 @@ class SynchronizerCore:
     def offer(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float
     ) -> Verdict:
-        """Take a contribution: `delta` is theta minus the value of its base version, as the
-        learner holds it. Anything refused is counted in `rejected` and changes nothing else."""
-        bad = self._malformed(meta, delta)
-        if bad is not None:
-            return self._reject(bad, meta)
+        """Take a contribution: `delta` is theta minus the published value of its base version."""
         self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
+        hist = self.published[meta.fragment]
+        base = hist.get(meta.base_version)
         decoded = wire.decode_tree(delta)
-        finite = merge.all_finite(decoded)
-        norm = merge.tree_norm(decoded) if finite else None
-        if self.cfg.diloco.anchor == "base":
-            # The outer gradient is the learner's own update, G_base - theta = -delta.
-            payload: Values = {k: -d for k, d in decoded.items()}
-        else:
-            fenced = self.book.fence(meta)
-            if fenced is not None:
-                return self._reject(fenced, meta)
-            base = self.down.base(meta.learner, meta.fragment, meta.base_version)
-            if base is None and finite:
-                # Older than the copies kept (or from before a synchronizer restart): it cannot
-                # be reconstructed, so it is fenced like any other too-stale contribution.
-                newest = self.newest[meta.fragment].version
-                stale = meta.base_version < newest
-                return self._reject(
-                    Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta
-                )
-            payload = {k: base[k] + d for k, d in decoded.items()} if base is not None else {}
-        verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=payload)
-        if verdict is not Verdict.ACCEPTED:
-            return self._reject(verdict, meta)
-        self.down.offered(meta.learner, meta.fragment, meta.base_version)
-        return verdict
+        if base is None:
+            if not merge.all_finite(decoded):  # reported as non-finite whatever its version
+                return self._reject(self.book.offer(meta, now, finite=False), meta)
+            # Older than the history we keep (or from before a synchronizer restart): it cannot
+            # be reconstructed, so it is fenced like any other too-stale contribution.
+            stale = meta.base_version < max(hist)
+            return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
+        if set(delta) != set(base):
+            return self._reject(Verdict.MALFORMED, meta)
+        theta = {k: base[k] + d for k, d in decoded.items()}
+        finite = merge.all_finite(theta)
+        norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
+        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)
+        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
 
-    def _malformed(
-        self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded]
-    ) -> Verdict | None:
-        """What is wrong with a contribution's structure, before anything is decoded: its
-        fragment index, its leaves, their shapes and their wire format."""
-        if not 0 <= meta.fragment < self.plan.num_fragments:
-            return Verdict.UNKNOWN_FRAGMENT
-        values = self.values[meta.fragment]
-        if not isinstance(delta, Mapping) or set(delta) != set(values):
-            return Verdict.MALFORMED
-        d = self.cfg.diloco
-        for k, enc in delta.items():
-            if not isinstance(enc, wire.Encoded):
-                return Verdict.MALFORMED
-            if tuple(enc.shape) != values[k].shape:
-                return Verdict.WRONG_SHAPE
-            if (enc.dtype, enc.block_size) != (
-                d.wire_dtype,
-                wire.block_size_of(d.wire_dtype, d.int4_block_size),
-            ):
-                return Verdict.WRONG_DTYPE
-            if not wire.well_formed(enc):
-                return Verdict.MALFORMED
-        return None
-
-    def _reject(
-        self, verdict: Verdict, meta: ContributionMeta, tokens: int | None = None
-    ) -> Verdict:
+    def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
-        if verdict not in UNTRUSTED_COUNTERS:
-            self.rejected_tokens += meta.num_tokens if tokens is None else tokens
+        self.rejected_tokens += meta.num_tokens
         return verdict
 
     # -- rounds -------------------------------------------------------------------------------
@@ -257,33 +185,23 @@ class SynchronizerCore:
             (c.payload, merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty))
             for c, s in zip(close.contributions, close.staleness, strict=True)
         ]
-        embedding = self.plan.embedding
-        if d.anchor == "current":
-            grad = merge.outer_gradient(self.values[p], contributions, embedding, d.merge)
-        else:
-            grad = merge.merge_outer_gradients(self.values[p], contributions, embedding, d.merge)
-        share = self.round_share(close) if d.round_step == "share" else 1.0
+        grad = merge.outer_gradient(self.values[p], contributions, self.plan.embedding, d.merge)
         values, self.outer_states[p] = outer.outer_step(
-            self.cfg.outer, self.values[p], self.outer_states[p], grad, share
+            self.tx, self.values[p], self.outer_states[p], grad
         )
-        published = self.down.publish(close.version, values)
+        encoded = wire.encode_tree(values, wire.publish_dtype(d.wire_dtype))
+        hist = dict(self.published[p])
+        hist[close.version] = wire.decode_tree(encoded)
+        for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
+            del hist[v]
         # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
-        self.values[p], self.newest[p] = values, published
+        self.values[p], self.published[p] = values, hist
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
-        return Publication(p, published, close, elapsed)
-
-    def round_share(self, close: RoundClose) -> float:
-        """The share of a full round's work a round merged: its tokens over the tokens every
-        learner live at its close trains in `sync_every` steps (1 when that is unknown)."""
-        members = self.book.members
-        per_step = sum(members[n].tokens_per_step or 0 for n in close.live if n in members)
-        full = self.cfg.diloco.sync_every * per_step
-        return min(1.0, close.num_tokens / full) if full > 0 else 1.0
+        return Publication(p, close.version, encoded, close, elapsed)
 
     def commit(self, pub: Publication, now: float) -> None:
         self.ledger.record_merge(pub.close)
         self.book.commit(pub.close, pub.sync_time_s, now)
-        self.down.prune(pub.fragment, pub.version - self.cfg.diloco.max_staleness_versions)
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
@@ -292,19 +210,18 @@ class SynchronizerCore:
         merged = {c.meta.learner for c in pub.close.contributions}
         return [n for n in learners if n in merged]
 
-    def messages(self, pub: Publication, learners: Iterable[str]) -> dict[str, Message]:
-        """What each of `learners` receives of `pub` (full values, or the quantized difference
-        to what it holds: downstream.py). The caller sends them and reports `sent`."""
-        return self.down.messages(pub.fragment, pub.published, learners)
-
-    def catch_up(self, meta: ContributionMeta, verdict: Verdict) -> Message | None:
-        """The newest version of the fragment for the learner whose contribution was just
-        refused for being behind, or broken, when publications only go to contributors: it
-        would otherwise never hear of a newer version. None otherwise."""
+    def catch_up(
+        self, meta: ContributionMeta, verdict: Verdict
+    ) -> tuple[int, dict[str, wire.Encoded]] | None:
+        """The newest version of the fragment (and its encoding) to send the learner whose
+        contribution was just refused for being behind, or broken, when publications only go
+        to contributors: it would otherwise never hear of a newer version. None otherwise."""
         if self.cfg.diloco.publish_to == "all" or verdict not in CATCH_UP:
             return None
-        p = meta.fragment
-        return self.down.messages(p, self.newest[p], [meta.learner])[meta.learner]
+        hist = self.published[meta.fragment]
+        version = max(hist)
+        dtype = wire.publish_dtype(self.cfg.diloco.wire_dtype)
+        return version, wire.encode_tree(hist[version], dtype)
 
     def sent(self, learner: str, nbytes: int) -> None:
         self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes
@@ -331,15 +248,16 @@ class SynchronizerCore:
             if high <= frag.version:
                 continue
             lost += high - frag.version
+            hist = self.published[p]
             frag.version = high + 1
-            self.newest[p] = dataclasses.replace(self.newest[p], version=high + 1)
+            self.published[p] = {high + 1: hist[max(hist)]}
         return lost
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "values": self.values,
             "outer_states": self.outer_states,
-            "published": [{pub.version: pub.decoded} for pub in self.newest],
+            "published": [{v: hist[v] for v in [max(hist)]} for hist in self.published],
             "book": self.book.state_dict(),
             "ledger": self.ledger.state_dict(),
             "bytes_up": dict(self.bytes_up),
@@ -351,12 +269,7 @@ class SynchronizerCore:
             {k: np.asarray(a, np.float32) for k, a in v.items()} for v in state["values"]
         ]
         self.outer_states = list(state["outer_states"])
-        self.newest = []
-        for values, newest in zip(self.values, state["published"], strict=True):
-            ((version, decoded),) = newest.items()
-            # float32: exactly the values learners hold, whatever dtype they came in
-            full = wire.encode_tree(decoded, "float32")
-            self.newest.append(Published(int(version), values, full, decoded))
+        self.published = [{int(v): vals for v, vals in h.items()} for h in state["published"]]
         self.book.load_state_dict(state["book"], now)
         self.ledger.load_state_dict(state["ledger"])
         self.bytes_up = dict(state["bytes_up"])

@@ -1,8 +1,7 @@
 """Layer: algorithm (pure, no Ray). Wire formats for fragments crossing a learner-synchronizer
-link: float32, bfloat16, int8 (per-tensor scale), int4 (blockwise scales, two values per
-byte) and int2 (blockwise scales, four values per byte: where quality breaks). Streaming
-DiLoCo (algorithm.md section 1) sends outer gradients in 4 bits without measurable loss; the
-byte counts here are what the bandwidth measure (section 9) adds up.
+link: float32, bfloat16, int8 (per-tensor scale) and int4 (blockwise scales, two values per
+byte). Streaming DiLoCo (algorithm.md section 1) sends outer gradients in 4 bits without
+measurable loss; the byte counts here are what the bandwidth measure (section 9) adds up.
 
 Layouts (all little-endian, independent of the host):
 - float32: 4 bytes per element, no scales.
@@ -11,8 +10,6 @@ Layouts (all little-endian, independent of the host):
 - int4: the flattened tensor in blocks of `block_size` elements (the last may be short), one
   float32 scale `absmax / 7` per block, values in [-7, 7] as two's-complement nibbles, element
   2i in the low nibble of byte i and 2i+1 in the high one (ceil(n / 2) bytes).
-- int2: as int4 with one float32 scale `absmax` per block and values in {-1, 0, 1} as 2-bit
-  two's complement, element 4i + j in bits 2j..2j+1 of byte i (ceil(n / 4) bytes).
 `Encoded.nbytes` counts payload and scales only; dtype, shape and block size are metadata that
 both ends already know from the config and the fragment plan.
 """
@@ -28,15 +25,15 @@ from numpy.typing import ArrayLike
 
 from ray_diloco.config import WireDtype
 
-_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4", "int2")
+_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4")
 _INT8_MAX = 127
-_BLOCKWISE = {"int4": 4, "int2": 2}  # bits per value of the blockwise formats
+_INT4_MAX = 7
 _F32 = np.dtype("<f4")
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """One leaf on the wire. `block_size` is meaningful for int4/int2 only (0 otherwise)."""
+    """One leaf on the wire. `block_size` is meaningful for int4 only (0 otherwise)."""
 
     dtype: WireDtype
     shape: tuple[int, ...]
@@ -56,7 +53,7 @@ class Encoded:
 def _check(dtype: str, block_size: int) -> None:
     if dtype not in _DTYPES:
         raise ValueError(f"diloco.wire_dtype={dtype!r}: expected one of {list(_DTYPES)}")
-    if dtype in _BLOCKWISE and block_size < 1:
+    if dtype == "int4" and block_size < 1:
         raise ValueError(f"diloco.int4_block_size={block_size} must be >= 1")
 
 
@@ -75,29 +72,7 @@ def wire_bytes(num_elements: int, dtype: WireDtype, block_size: int = 64) -> int
         return 2 * num_elements
     if dtype == "int8":
         return num_elements + 4
-    per_byte = 8 // _BLOCKWISE[dtype]
-    return -(-num_elements // per_byte) + 4 * _num_blocks(num_elements, block_size)
-
-
-def block_size_of(dtype: WireDtype, block_size: int) -> int:
-    """The block size an `Encoded` of `dtype` carries: `block_size` for the blockwise formats,
-    0 for the others."""
-    return block_size if dtype in _BLOCKWISE else 0
-
-
-def well_formed(enc: Encoded) -> bool:
-    """`decode` would accept it: a known format with as many bytes as its shape needs."""
-    try:
-        _check(enc.dtype, enc.block_size)
-        sizes_ok = all(isinstance(d, int) and d >= 0 for d in enc.shape)
-        typed = isinstance(enc.payload, bytes) and isinstance(enc.scales, bytes)
-        return (
-            sizes_ok
-            and typed
-            and enc.nbytes == wire_bytes(enc.num_elements, enc.dtype, enc.block_size)
-        )
-    except (TypeError, ValueError):
-        return False
+    return (num_elements + 1) // 2 + 4 * _num_blocks(num_elements, block_size)
 
 
 def _symmetric(blocks: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,17 +108,15 @@ def encode(x: ArrayLike, dtype: WireDtype, block_size: int = 64) -> Encoded:
     if dtype == "int8":
         q, scales = _symmetric(wide[None, :], _INT8_MAX)
         return Encoded(dtype, shape, q.tobytes(), scales.astype(_F32).tobytes())
-    bits = _BLOCKWISE[dtype]
     n = flat.size
     num_blocks = _num_blocks(n, block_size)
     padded = np.zeros(num_blocks * block_size, dtype=np.float64)
     padded[:n] = wide  # zero padding leaves every block's absmax unchanged
-    q, scales = _symmetric(padded.reshape(num_blocks, block_size), 2 ** (bits - 1) - 1)
-    per_byte = 8 // bits
-    codes = np.zeros(-(-n // per_byte) * per_byte, dtype=np.uint8)
-    codes[:n] = q.reshape(-1)[:n].astype(np.uint8) & (2**bits - 1)  # two's complement
-    lanes = codes.reshape(-1, per_byte) << (bits * np.arange(per_byte, dtype=np.uint8))
-    packed = np.bitwise_or.reduce(lanes, axis=1).astype(np.uint8)
+    q, scales = _symmetric(padded.reshape(num_blocks, block_size), _INT4_MAX)
+    nibbles = (q.reshape(-1)[:n].astype(np.uint8)) & 0x0F
+    if n % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
     return Encoded(dtype, shape, packed.tobytes(), scales.astype(_F32).tobytes(), block_size)
 
 
@@ -159,20 +132,18 @@ def decode(enc: Encoded) -> np.ndarray:
     if enc.dtype == "float32":
         flat = np.frombuffer(enc.payload, dtype=_F32).astype(np.float32)
     elif enc.dtype == "bfloat16":
-        raw = np.frombuffer(enc.payload, dtype="<u2").astype(np.uint16)
-        flat = raw.view(ml_dtypes.bfloat16).astype(np.float32)
+        bits = np.frombuffer(enc.payload, dtype="<u2").astype(np.uint16)
+        flat = bits.view(ml_dtypes.bfloat16).astype(np.float32)
     elif enc.dtype == "int8":
         q = np.frombuffer(enc.payload, dtype=np.int8)
         flat = q.astype(np.float32) * np.frombuffer(enc.scales, dtype=_F32)[0]
     else:
-        bits = _BLOCKWISE[enc.dtype]
-        per_byte = 8 // bits
         packed = np.frombuffer(enc.payload, dtype=np.uint8)
-        shifts = bits * np.arange(per_byte, dtype=np.uint8)
-        codes = ((packed[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:n].astype(np.int8)
-        # Sign-extend the two's complement: e.g. for 4 bits 0..7 stay, 8..15 become -8..-1.
-        sign = np.int8(2 ** (bits - 1))
-        q = (codes ^ sign) - sign
+        nibbles = np.empty(2 * packed.size, dtype=np.uint8)
+        nibbles[0::2] = packed & 0x0F
+        nibbles[1::2] = packed >> 4
+        # Sign-extend the 4-bit two's complement: 0..7 stay, 8..15 become -8..-1.
+        q = (nibbles[:n].astype(np.int8) ^ 8) - 8
         scales = np.frombuffer(enc.scales, dtype=_F32).astype(np.float32)
         flat = q.astype(np.float32) * np.repeat(scales, enc.block_size)[:n]
     return flat.reshape(enc.shape)
@@ -201,7 +172,7 @@ def tree_wire_bytes(leaf_sizes: Mapping[str, int], dtype: WireDtype, block_size:
 
 
 def publish_dtype(wire_dtype: WireDtype) -> WireDtype:
-    """Dtype of a fragment's full values sent down: float32 when the wire is float32, else
-    bfloat16. Full values are never quantized to int8/int4/int2, because they replace the
-    learner's parameters outright; quantized publications are differences (downstream.py)."""
+    """Dtype of a published global fragment (docs/contracts.md): float32 when the wire is
+    float32, else bfloat16; the downstream value is not quantized to int8/int4, because it
+    replaces the learner's parameters outright rather than adding a small delta."""
     return "float32" if wire_dtype == "float32" else "bfloat16"

@@ -325,10 +325,8 @@ class DecoupledSim:
             # The progress report that comes with an offer doubles as the heartbeat (see
             # round_policy). The learner's counters restart whenever it adopts a version: at
             # its start or at the last commit (every live learner gets each published one).
-            # Wall time since then over-counts across a pause, and the book refuses more
-            # steps since the base than the incarnation has taken: capped at those.
             book.heartbeat(name, inc, t, step_s)
-            new = max(1, min(steps, int((t - max(inc_start, self._last_commit)) / step_s)))
+            new = max(1, int((t - max(inc_start, self._last_commit)) / step_s))
             version = book.fragments[0].version
             meta = ContributionMeta(name, inc, 0, version, steps, new, new)
             # The payload says whose work, up to how much: it comes back in the RoundClose.

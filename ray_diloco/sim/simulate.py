@@ -18,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import links
-from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.learner_core import LearnerCore
-from ray_diloco.algorithm.setup import Setup, tokens_per_step
+from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
-from ray_diloco.algorithm.wire import decode_tree
+from ray_diloco.algorithm.wire import decode_tree, tree_bytes
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 from ray_diloco.sim import sim_faults
@@ -127,7 +126,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     booting: set[str] = set()  # scheduled joiners not registered yet
 
     def admit(lg: LearnerGroupConfig, incarnation: int, t: float) -> LearnerCore:
-        a = sync.register(lg.name, incarnation, t, tokens_per_step=tokens_per_step(setup.task, lg))
+        a = sync.register(lg.name, incarnation, t)
         return LearnerCore(
             cfg,
             lg,
@@ -161,18 +160,19 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     next_eval, eval_every = 0, max(1, cfg.token_budget // sim.num_evals)
     now = 0.0
 
-    def send(j: int, msg: Message, t: float) -> None:
+    def send(j: int, fragment: int, version: int, encoded: Any, t: float) -> None:
         lg = learners[j].cfg
-        sync.sent(lg.name, msg.nbytes)
-        arrive = wan.arrival(lg.region, "down", msg.nbytes, t)
-        sim.push(arrive, "publish", (j, msg))
+        nbytes = tree_bytes(encoded)
+        sync.sent(lg.name, nbytes)
+        arrive = wan.arrival(lg.region, "down", nbytes, t)
+        sim.push(arrive, "publish", (j, fragment, version, encoded))
 
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             round_times.append(t)
             live = [n for n, j in index.items() if not learners[j].left]
-            for name, msg in sync.messages(pub, sync.recipients(pub, live)).items():
-                send(index[name], msg, t + pub.sync_time_s)
+            for name in sync.recipients(pub, live):
+                send(index[name], pub.fragment, pub.version, pub.encoded, t + pub.sync_time_s)
         deadline = sync.book.next_deadline()
         if deadline is not None and deadline > t and deadline not in polls:
             polls.add(deadline)
@@ -212,17 +212,17 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             meta, delta = payload
             newest = sync.catch_up(meta, sync.offer(meta, delta, now))
             if newest is not None and not learners[index[meta.learner]].left:
-                send(index[meta.learner], newest, now)
+                send(index[meta.learner], meta.fragment, *newest, now)
             close_rounds(now)
         elif kind == "poll":
             polls.discard(now)
             close_rounds(now)
         elif kind == "publish":
-            j, msg = payload
+            j, frag, version, encoded = payload
             ln = learners[j]
             if not ln.alive or ln.left:
                 continue  # a learner that is down gets the latest version when it comes back
-            ln.core.receive(msg.fragment, msg.version, decode_tree(msg.encoded), msg.base)
+            ln.core.receive(frag, version, decode_tree(encoded))
             if ln.blocked:
                 step_boundary(j, now)
         elif kind == "fail" and payload < len(learners) and learners[payload].alive:

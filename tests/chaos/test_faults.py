@@ -195,8 +195,8 @@ def test_nan_contribution_is_rejected_and_the_learner_restarted(
 def test_huge_contribution_is_rejected_by_the_norm_guard(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
-    # The norm guard judges contributions once `norm_guard_min_samples` updates from after the
-    # inner learning-rate warm-up (20 steps) are known for the fragment: corrupt after those.
+    # The norm guard judges a fragment's contributions only after its first
+    # `norm_guard_warmup_rounds` rounds (norms still swing then): corrupt after those.
     fault = {"kind": "corrupt_norm", "target": "us", "at_s": 6.0}
     run = run_one(tmp_path, jax_cache, "corrupt-norm", fault)
     check_run(run, reference_loss(BUDGET))

@@ -43,18 +43,17 @@ def test_quick_benchmarks_write_their_tables(tmp_path):
     assert quality["rows"][0]["vs_data_parallel"] == 0.0
 
     bandwidth = run_quick("bandwidth.py", tmp_path)
-    assert {(r["mode"], r["up"], r["down"]) for r in bandwidth["rows"]} == {
-        ("data_parallel", "float32", "float32"),
-        ("synchronous", "bfloat16", "bfloat16"),
-        ("decoupled", "bfloat16", "bfloat16"),
-        ("decoupled", "int4", "int4"),
-        ("decoupled", "int4", "int2"),
-        ("decoupled", "int2", "int2"),
+    assert {(r["mode"], r["wire"]) for r in bandwidth["rows"]} == {
+        ("data_parallel", "float32"),
+        ("synchronous", "bfloat16"),
+        ("synchronous", "int4"),
+        ("decoupled", "bfloat16"),
+        ("decoupled", "int4"),
+        ("decoupled, publish to contributors", "bfloat16"),
+        ("decoupled, publish to contributors", "int4"),
     }
-    assert all(r["bound"] > 1 for r in bandwidth["rows"] if r["mode"] != "data_parallel")
     assert all(r["bytes_per_token"] > 0 for r in bandwidth["rows"])
     assert "command" in bandwidth["meta"] and "machine" in bandwidth["meta"]
-    assert bandwidth["meta"]["runs_done"] == bandwidth["meta"]["runs_planned"] == 6
 
 
 def test_readme_results_are_generated_from_the_json():
@@ -68,4 +67,4 @@ def test_readme_results_are_generated_from_the_json():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert (ROOT / "README.md").read_text().count("<!-- results:") == 9
+    assert (ROOT / "README.md").read_text().count("<!-- results:") == 8

@@ -19,10 +19,9 @@ def _merge_one_round(core: SynchronizerCore) -> None:
     values = core.snapshot()[0][1]
     delta = {k: np.full_like(v, 0.01) for k, v in values.items()}
     meta = ContributionMeta("a", 0, 0, 0, 4, 4, 512)
-    encoded = wire.encode_tree(delta, core.cfg.diloco.wire_dtype)
-    assert core.offer(meta, encoded, now=0.1) is Verdict.ACCEPTED
+    assert core.offer(meta, wire.encode_tree(delta, "bfloat16"), now=0.1) is Verdict.ACCEPTED
     (pub,) = core.poll(now=0.2)
-    core.sent("a", core.messages(pub, ["a"])["a"].nbytes)
+    core.sent("a", pub.nbytes)
 
 
 @pytest.mark.timeout(60)

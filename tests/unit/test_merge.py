@@ -10,11 +10,10 @@ import pytest
 
 from ray_diloco.algorithm.merge import (
     all_finite,
-    merge_outer_gradients,
+    outer_grad_norm,
     outer_gradient,
     rda,
     token_weight,
-    tree_norm,
     weighted_mean,
 )
 
@@ -163,23 +162,12 @@ def test_outer_gradient_rejects_bad_input() -> None:
         outer_gradient(g, [(bad, 1.0)], ())
 
 
-def test_tree_norm_hand_value() -> None:
-    # Leaves [0, 3] and [-4]: sqrt(0 + 9 + 16) = 5 over the whole fragment.
-    assert tree_norm({"a": np.array([0.0, 3.0]), "b": np.array([-4.0])}) == pytest.approx(5.0)
-    assert tree_norm({"a": np.zeros(3)}) == 0.0
-
-
-def test_base_anchored_outer_gradients_merge_like_current_anchored_ones() -> None:
-    # merge_outer_gradients takes the per-contribution outer gradients themselves (anchor: base
-    # sends -delta); fed G - theta it is exactly outer_gradient.
-    g, contributions = _round()
-    deltas = [({k: g[k] - theta[k] for k in g}, w) for theta, w in contributions]
-    expected = outer_gradient(g, contributions, ("embed/token",))
-    merged = merge_outer_gradients(g, deltas, ("embed/token",))
-    for k in g:
-        np.testing.assert_allclose(merged[k], expected[k], rtol=1e-6)
-    with pytest.raises(ValueError, match="shape"):
-        merge_outer_gradients(g, [({k: np.zeros(3) for k in g}, 1.0)])
+def test_outer_grad_norm_hand_value() -> None:
+    # Differences [0, 3] and [-4]: sqrt(0 + 9 + 16) = 5 over the whole fragment.
+    g = {"a": np.array([1.0, 1.0]), "b": np.array([0.0])}
+    theta = {"a": np.array([1.0, -2.0]), "b": np.array([4.0])}
+    assert outer_grad_norm(g, theta) == pytest.approx(5.0)
+    assert outer_grad_norm(g, g) == 0.0
 
 
 def test_all_finite() -> None:

@@ -16,11 +16,8 @@ from tests.sync_helpers import TINY, tiny_core
 LEARNERS = ["a", "b", "c"]
 
 
-def _core(
-    publish_to: str, wire_dtype: str = "bfloat16", publish_dtype: str = "bfloat16"
-) -> SynchronizerCore:
+def _core(publish_to: str) -> SynchronizerCore:
     overrides = [*TINY, "diloco.max_staleness_versions=1", f"diloco.publish_to={publish_to}"]
-    overrides += [f"diloco.wire_dtype={wire_dtype}", f"diloco.publish_dtype={publish_dtype}"]
     core = tiny_core(load_config(None, overrides))
     for name in LEARNERS:
         core.register(name, 0, now=0.0)
@@ -31,8 +28,8 @@ def _core(
 def _offer(core: SynchronizerCore, learner: str, base: int, now: float) -> Verdict:
     values = core.snapshot()[0][1]
     delta = {k: np.full_like(v, 0.01) for k, v in values.items()}
-    meta = ContributionMeta(learner, 0, 0, base, 4 * (base + 1), 4, 256)  # 4 steps per version
-    return core.offer(meta, wire.encode_tree(delta, core.cfg.diloco.wire_dtype), now=now)
+    meta = ContributionMeta(learner, 0, 0, base, 4, 4, 256)
+    return core.offer(meta, wire.encode_tree(delta, "bfloat16"), now=now)
 
 
 @pytest.mark.parametrize(("publish_to", "expected"), [("contributors", ["b"]), ("all", LEARNERS)])
@@ -48,34 +45,19 @@ def test_a_refused_learner_catches_up_on_the_newest_version() -> None:
     core = _core("contributors")
     for version in (1, 2):  # b's rounds move fragment 0 two versions past a's base
         assert _offer(core, "b", base=version - 1, now=0.1 * version) is Verdict.ACCEPTED
-        (pub,) = core.poll(now=0.1 * version + 0.05)
-        core.messages(pub, core.recipients(pub, LEARNERS))  # b now holds the new version
+        core.poll(now=0.1 * version + 0.05)
     stale = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
     assert _offer(core, "a", base=0, now=1.0) is Verdict.STALE_VERSION
     newest = core.catch_up(stale, Verdict.STALE_VERSION)
-    assert newest is not None and newest.base is None  # bfloat16 publications: full values
-    assert newest.version == 2
-    for k, v in wire.decode_tree(newest.encoded).items():
+    assert newest is not None
+    version, encoded = newest
+    assert version == 2
+    for k, v in wire.decode_tree(encoded).items():
         np.testing.assert_array_equal(v, core.snapshot()[0][1][k])
     # accepted contributions, dead incarnations and "publish to all" need no catching up
     assert core.catch_up(stale, Verdict.ACCEPTED) is None
     assert core.catch_up(stale, Verdict.OLD_INCARNATION) is None
     assert _core("all").catch_up(stale, Verdict.STALE_VERSION) is None
-
-
-def test_with_quantized_publications_a_catch_up_is_a_difference() -> None:
-    core = _core("contributors", "int4", "int4")
-    for version in (1, 2):
-        assert _offer(core, "b", base=version - 1, now=0.1 * version) is Verdict.ACCEPTED
-        (pub,) = core.poll(now=0.1 * version + 0.05)
-        (to_b,) = core.messages(pub, ["b"]).values()
-        assert to_b.base == version - 1 and to_b.encoded[next(iter(to_b.encoded))].dtype == "int4"
-    stale = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
-    newest = core.catch_up(stale, Verdict.STALE_VERSION)
-    assert newest is not None and (newest.base, newest.version) == (0, 2)  # a holds version 0
-    held = core.down.held[0]["a"][2]
-    for k, v in core.values[0].items():  # within half a 4-bit step of the global value
-        assert np.abs(held[k] - v).max() <= np.abs(v - core.snapshot()[0][1][k]).max() + 1e-3
 
 
 @pytest.mark.timeout(120)

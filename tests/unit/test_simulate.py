@@ -73,14 +73,14 @@ def test_data_parallel_reference_and_bytes():
 
 
 def test_int4_moves_fewer_bytes_than_bfloat16(decoupled):
-    bf16 = ["diloco.wire_dtype=bfloat16", "diloco.publish_dtype=bfloat16"]
-    bf16_run = run_reference(tiny("learners.2.speed=0.7", "learners.3.jitter=0.2", *bf16))
-    assert decoupled["bytes_up"] < 0.4 * bf16_run["bytes_up"]  # int4 both ways, the default
-    assert decoupled["bytes_down"] < 0.4 * bf16_run["bytes_down"]
+    int4 = run_reference(
+        tiny("learners.2.speed=0.7", "learners.3.jitter=0.2", "diloco.wire_dtype=int4")
+    )
+    assert int4["bytes_up"] < 0.4 * decoupled["bytes_up"]
 
 
 def _core():
-    cfg = tiny("diloco.wire_dtype=float32")  # the contributions below are float32
+    cfg = tiny()
     setup = Setup.build(cfg)
     return cfg, setup, SynchronizerCore(cfg, setup.plan, setup.init)
 

@@ -17,12 +17,11 @@ from ray_diloco.algorithm.wire import (
     publish_dtype,
     tree_bytes,
     tree_wire_bytes,
-    well_formed,
     wire_bytes,
 )
 from ray_diloco.config import WireDtype
 
-DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4", "int2")
+DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4")
 
 
 def _rand(shape: tuple[int, ...], seed: int = 0, scale: float = 1.0) -> np.ndarray:
@@ -46,8 +45,6 @@ def test_wire_bytes_hand_values() -> None:
     assert wire_bytes(129, "int8") == 133
     assert wire_bytes(129, "int4", 64) == 77
     assert wire_bytes(0, "int4", 64) == 0
-    # int2: ceil(129/4) = 33 bytes of 2-bit codes + 3 scales * 4 bytes = 45.
-    assert wire_bytes(129, "int2", 64) == 45
     # Large tensors: int4 with blocks of 64 costs 0.5 + 4/64 bytes/element, ~7.1x below float32.
     assert wire_bytes(1 << 20, "int4", 64) / (1 << 20) == pytest.approx(0.5625)
 
@@ -106,19 +103,6 @@ def test_int4_hand_example() -> None:
     assert np.frombuffer(enc.scales, "<f4").tolist() == [1.0]
     assert enc.block_size == 64
     np.testing.assert_array_equal(decode(enc), x)
-
-
-def test_int2_hand_example() -> None:
-    # absmax 2 -> scale 2; x / 2 = [1, -1, 0.25, -0.75, 0] rounds to q = [1, -1, 0, -1, 0];
-    # 2-bit codes 1, 3, 0, 3 | 0 (pad 0, 0, 0); byte = c0 | c1 << 2 | c2 << 4 | c3 << 6.
-    x = np.array([2.0, -2.0, 0.5, -1.5, 0.0], np.float32)
-    enc = encode(x, "int2", block_size=64)
-    assert enc.payload == bytes([1 | 3 << 2 | 0 << 4 | 3 << 6, 0])
-    assert np.frombuffer(enc.scales, "<f4").tolist() == [2.0]
-    np.testing.assert_array_equal(decode(enc), [2.0, -2.0, 0.0, -2.0, 0.0])
-    assert well_formed(enc)
-    assert not well_formed(dataclasses.replace(enc, payload=b"\x00"))
-    assert not well_formed(dataclasses.replace(enc, dtype="int3"))  # type: ignore[arg-type]
 
 
 def test_int4_blockwise_error_bound() -> None:
@@ -196,8 +180,7 @@ def test_tree_round_trip(dtype: WireDtype) -> None:
     out = decode_tree(enc)
     for k, v in values.items():
         assert out[k].shape == v.shape and out[k].dtype == np.float32
-        tol = {"float32": 0.0, "bfloat16": 2**-8, "int8": 1 / 127, "int4": 1 / 7, "int2": 1 / 2}
-        tol = tol[dtype]
+        tol = {"float32": 0.0, "bfloat16": 2**-8, "int8": 1 / 127, "int4": 1 / 7}[dtype]
         assert np.abs(out[k] - v).max() <= tol * np.abs(v).max() + 1e-7
 
 
