@@ -232,10 +232,17 @@ class Supervision:
         """Why the live learner counts as hung now and the timeout it exceeded, or None."""
         if w.state not in _LIVE:
             return None
-        if w.state is LearnerState.STARTING:
+        if w.state in (LearnerState.STARTING, LearnerState.COMPILING):
+            # A host compiling its first step sends nothing until XLA returns (tens of seconds
+            # on a busy machine): that is still the boot, judged by the startup timeout.
             silent, timeout = now - w.last_seen_s, self.boots.timeout_s()
             if silent > timeout:
-                return f"not up after {silent:.1f}s", timeout
+                starting = w.state is LearnerState.STARTING
+                return (
+                    f"not up after {silent:.1f}s"
+                    if starting
+                    else f"compiling, silent for {silent:.1f}s"
+                ), timeout
             return None
         for host, seen in sorted(w.host_seen.items()):
             silent, timeout = now - seen, self._cadence(name, host).timeout_s()

@@ -160,3 +160,15 @@ def test_the_startup_timeout_follows_the_runs_boots():
     (detected,) = [e for e in events if isinstance(e, FailureDetected)]
     assert detected.learner == "a" and detected.timeout_s == 16.0
     assert detected.detail == "not up after 16.1s"
+
+
+def test_a_compiling_learner_is_judged_by_the_startup_timeout():
+    """Its first step's compile sends nothing for a while: not a hang at the heartbeat timeout."""
+    sup = Supervision(CFG, ["a"], now=0.0)
+    sup.heartbeat("a", 0, now=1.0, state=LearnerState.COMPILING)  # up: its first step compiles
+    assert sup.watches["a"].state is LearnerState.COMPILING
+    heartbeat = max(sup.timeouts("a").values())
+    assert sup.tick(now=1.0 + heartbeat + 1.0)[0] == []
+    events, _ = sup.tick(now=1.0 + sup.startup_timeout_s() + 0.5)
+    (detected,) = [e for e in events if isinstance(e, FailureDetected)]
+    assert detected.failure is FailureKind.HANG and detected.detail.startswith("compiling")
