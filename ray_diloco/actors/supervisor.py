@@ -20,14 +20,7 @@ guard). Stragglers and starved learners are recorded
 by `control.degradation`, never restarted. Methods return at once; the driver polls `status()`,
 calls `finish(reason)` at the end and waits for `status()["done"]`, then `shutdown()`.
 
-Membership is elastic: `add_learner` / `remove_learner` (the `ray-diloco scale` command, the
-Python API, `elastic.schedule`), the scavenger (a free node fitting `elastic.templates`) and the
-drain watch (a node Ray drains for a preemption) queue joins and leaves that the control loop
-carries out. A leave is graceful (the learner's last report and unsent work first, then the
-synchronizer takes it out of the quorum and its unread data back into the pool) and is never a
-failure: a learner that left is not restarted, not counted in goodput from then on, not a fault.
-A learner given up on after its restart budget is retired the same way while at least
-`elastic.min_learners` others remain.
+Membership is elastic (joins, leaves, scavenging, drains, retiring): `supervisor_membership.py`.
 
 The supervisor owns the run's event tape (`run_dir/events.jsonl`, one writer): its own events,
 the synchronizer's journal and the chaos engine's injections go there, with run-clock times
@@ -37,7 +30,6 @@ the synchronizer's journal and the chaos engine's injections go there, with run-
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
@@ -47,8 +39,10 @@ import ray
 
 from ray_diloco.actors.faults import ChaosEngine, HostRef
 from ray_diloco.actors.learner_slot import make_slot, stop_all
-from ray_diloco.actors.membership import Scavenger, draining_nodes, lost_nodes
+from ray_diloco.actors.membership import lost_nodes
 from ray_diloco.actors.resources import head_pin_options
+from ray_diloco.actors.supervisor_membership import UP as _UP
+from ray_diloco.actors.supervisor_membership import MembershipDuty
 from ray_diloco.actors.sync_watch import SyncWatch, uptime_window_s
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.chaos import chaos_schedule
@@ -57,8 +51,6 @@ from ray_diloco.control.events import (
     ContributionRejected,
     Event,
     FailureKind,
-    LearnerJoined,
-    LearnerLeft,
     LearnerState,
     RunFinished,
     RunStarted,
@@ -76,7 +68,6 @@ logger = logging.getLogger(__name__)
 HORIZON_S = 6 * 3600.0  # Poisson chaos faults are drawn this far ahead (runs are shorter)
 STOP_TIMEOUT_S = 60.0
 SYNC_START_S = 600.0  # a synchronizer's first answer: it builds data and parameters first
-DRAIN_POLL_S = 1.0  # how often the drain watch asks Ray which nodes it is draining
 
 
 def supervisor_name(cfg: RunConfig) -> str:
@@ -84,7 +75,7 @@ def supervisor_name(cfg: RunConfig) -> str:
 
 
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)  # type: ignore[call-overload]
-class Supervisor:
+class Supervisor(MembershipDuty):
     def __init__(
         self,
         cfg: RunConfig,
@@ -108,13 +99,6 @@ class Supervisor:
             lg.name: make_slot(cfg, lg, i, log_level, pin_region)
             for i, lg in enumerate(cfg.learners)
         }
-        # Membership changes wait here for the control loop (callers never block on it).
-        self._requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._joining: set[str] = set()  # queued joins, until carried out
-        self._leaving: dict[str, str] = {}  # learner -> why, until it has left
-        self._sync_leaves: dict[str, tuple[Any, str]] = {}  # synchronizer acks awaited
-        self._retired: set[str] = set()
-        self._drains_polled = 0.0
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
         self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
         self.sync_handle = synchronizer
@@ -127,15 +111,10 @@ class Supervisor:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._final: dict[str, Any] = {}
-        self._schedule: list[Any] = []
         self._thread: threading.Thread | None = None
         self._end_t: float | None = None  # when the run finished (RunFinished)
         self._training_since: dict[str, float] = {}  # learner -> its current training spell
-        for change in cfg.elastic.schedule:  # the reference run's schedule, on the run clock
-            self._schedule.append(change)
-        elastic = cfg.elastic
-        scavenging = elastic.scavenge and elastic.templates
-        self.scavenger = Scavenger(cfg, self._scavenged, self._taken) if scavenging else None
+        self._init_membership(cfg)
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self._exported_at = -float("inf")
 
@@ -306,116 +285,6 @@ class Supervisor:
         for name, watch in self.control.watches.items():
             self.metrics.learner_up(name, watch.state in _UP)
 
-    # -- membership ---------------------------------------------------------------------------
-
-    def _taken(self, name: str) -> bool:
-        return name in self.slots or name in self._joining
-
-    def _headcount(self) -> int:
-        return len(self.control.in_run()) + len(self._joining)
-
-    def _scavenged(self, lg: LearnerGroupConfig, placement: Any) -> bool:
-        """The scavenger found room for `lg` (its placement is reserved): join, if allowed."""
-        if self._finish is not None or self._run_over or self._taken(lg.name):
-            return False
-        if self._headcount() >= self.cfg.elastic.max_learners:
-            return False
-        self._joining.add(lg.name)
-        self._requests.put(("join", lg, placement, "scavenged"))
-        return True
-
-    def _change_membership(self, now: float) -> None:
-        while self._schedule and self._schedule[0].at_s <= now:
-            change = self._schedule.pop(0)
-            if change.join is not None:
-                self._joining.add(change.join.name)
-                self._requests.put(("join", change.join, None, "scheduled"))
-            else:
-                self._requests.put(("leave", change.leave, "scheduled"))
-        while True:
-            try:
-                request = self._requests.get_nowait()
-            except queue.Empty:
-                break
-            if self._finish is not None or self._run_over:
-                continue  # the run is ending: nobody joins or leaves any more
-            if request[0] == "join":
-                self._join(request[1], request[2], request[3], now)
-            else:
-                self._start_leave(request[1], request[2], now)
-        if now - self._drains_polled >= DRAIN_POLL_S:
-            self._drains_polled = now
-            self._leave_draining_nodes(now)
-        self._collect_sync_leaves(now)
-
-    def _join(self, lg: LearnerGroupConfig, placement: Any, reason: str, now: float) -> None:
-        self._joining.discard(lg.name)
-        slot = make_slot(self.cfg, lg, len(self.slots), self.log_level, self.pin_region)
-        if placement is not None:
-            slot.give_placement(placement)
-        self.slots[lg.name] = slot
-        self.regions[lg.name] = lg.region
-        self.degradation.add(lg.name)
-        self._record(LearnerJoined(now, lg.name, lg.region, lg.accelerator, reason))
-        self._record_all(self.control.add(lg.name, now, lg.num_hosts))
-        logger.warning("learner %s joins the run (%s)", lg.name, reason)
-        slot.launch(0)
-
-    def _start_leave(self, name: str, reason: str, now: float) -> None:
-        if name in self._leaving or name not in self.control.in_run():
-            return
-        self._leaving[name] = reason
-        logger.warning("learner %s leaves the run (%s)", name, reason)
-        state = self.control.watches[name].state
-        if state not in _UP or not self.slots[name].leave(reason):
-            self._finish_leave(name, now)  # nothing running to say goodbye
-
-    def _finish_leave(self, name: str, now: float) -> None:
-        """The learner said goodbye (or cannot): stop watching it, free its hosts, and have
-        the synchronizer take it out of the quorum and its unread data back."""
-        reason = self._leaving.pop(name, "left")
-        self._record_all(self.control.leave(name, now, reason))
-        self._training_since.pop(name, None)
-        self.slots[name].release()
-        self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
-
-    def _collect_sync_leaves(self, now: float) -> None:
-        """Acknowledged leaves go on the tape with the data they gave back; failed calls (a
-        synchronizer being restored) are sent again."""
-        for name, (ref, reason) in list(self._sync_leaves.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
-                continue
-            try:
-                tokens = int(ray.get(ref))
-            except ray.exceptions.RayError as err:
-                logger.info("leave of %s not acknowledged (%s); resending", name, err)
-                self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
-                continue
-            del self._sync_leaves[name]
-            self._record(LearnerLeft(now, name, reason, tokens))
-
-    def _leave_draining_nodes(self, now: float) -> None:
-        draining = draining_nodes()
-        if not draining:
-            return
-        for name in self.control.in_run():
-            nodes = {str(info.get("node_id")) for info in self.slots[name].info.values()}
-            if nodes & draining:
-                self._start_leave(name, "its node is being drained (preemption)", now)
-
-    def _retire_given_up(self, now: float) -> None:
-        """A learner out of restarts leaves the run (its data back to the pool, out of the
-        quorum) while at least `elastic.min_learners` others remain."""
-        for name, w in self.control.watches.items():
-            if w.state is not LearnerState.GAVE_UP or name in self._retired:
-                continue
-            if len(self.control.in_run()) < self.cfg.elastic.min_learners:
-                return
-            self._retired.add(name)
-            self.slots[name].release()
-            self._sync_leaves[name] = (self.sync_handle.leave.remote(name), "retired: gave up")
-
     def _on_reply(self, name: str, host: int, reply: dict[str, Any], now: float) -> None:
         inc, state = int(reply["incarnation"]), str(reply["state"])
         if name in self._leaving and state in ("left", "finished", "dead"):
@@ -542,9 +411,6 @@ class Supervisor:
         self._final = finals
         self._end_t = now
         self._done.set()
-
-
-_UP = frozenset({LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLOCKED})
 
 
 def create_supervisor(

@@ -1,10 +1,11 @@
 """Layer: actors (Ray shell). Where the synchronizer's checkpoints live, and its restore.
 
 `restore` opens the Orbax checkpointer in `run_dir/checkpoints/synchronizer` (a clear error
-when it cannot be created) and loads the newest checkpoint into the core when its state digest
-matches this run; `was_current_actor_reconstructed` tells a restart (the actor died and Ray
-brought it back) from a driver resuming an interrupted run dir. JAX-free at import: the driver
-imports `checkpoint_dir`.
+when it cannot be created), loads the newest checkpoint into the core when its state digest
+matches this run (`was_current_actor_reconstructed` tells a restart, the actor died and Ray
+brought it back, from a driver resuming an interrupted run dir), then applies the version mark
+(`version_mark.py`): versions published since the checkpoint are numbered past, and the data
+pool learns what was leased since. JAX-free at import: the driver imports `checkpoint_dir`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import ray
 
+from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,24 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
     return Path(cfg.run_dir) / "checkpoints" / "synchronizer"
 
 
-def restore(cfg: RunConfig, core: Any, now: float) -> tuple[Any, dict[str, Any] | None]:
-    """(the checkpointer, what was restored or None) for a `SynchronizerCore`."""
+def restore(
+    cfg: RunConfig, core: Any, now: float
+) -> tuple[Any, dict[str, Any] | None, VersionMark]:
+    """(the checkpointer, what was restored or None, the version mark) for a
+    `SynchronizerCore`."""
+    checkpointer, restored = _load_checkpoint(cfg, core, now)
+    mark = VersionMark(checkpoint_dir(cfg))
+    seen = mark.load()
+    core.ledger.pool.restore_mark(seen.frontier, seen.holders)
+    lost = core.resume_versions(seen.versions)
+    if lost:
+        base = restored or {"versions": {}, "rounds": 0, "restart": True, "time": time.time()}
+        restored = {**base, "rounds_lost": lost}
+        logger.warning("%d rounds published after the last checkpoint were lost", lost)
+    return checkpointer, restored, mark
+
+
+def _load_checkpoint(cfg: RunConfig, core: Any, now: float) -> tuple[Any, dict[str, Any] | None]:
     from ray_diloco.algorithm import checkpoint
 
     directory = checkpoint_dir(cfg)

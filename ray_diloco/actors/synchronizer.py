@@ -15,10 +15,11 @@ delta into arrays in this process right away; the synchronizer never keeps a ref
 learner-owned object. Everything it keeps or sends (published fragments via `ray.put`) is owned
 by the synchronizer, so a learner's death can never take a global fragment with it.
 
-State is checkpointed with Orbax every `checkpoint_every_rounds` rounds (on a thread of its own,
-so rounds keep closing) and on `shutdown()`, and restored in `__init__` when a checkpoint of the
-same state digest exists (after a restart, or when a run dir of an interrupted run is resumed).
-Versions published since are numbered past on restore (`version_mark.py`): they never go back.
+State is checkpointed with Orbax every `checkpoint_every_rounds` rounds (`sync_checkpoint.py`,
+on a thread of its own, so rounds keep closing) and on `shutdown()`, and restored in `__init__`
+(`sync_restore.py`) when a checkpoint of the same state digest exists (after a restart, or when
+a run dir of an interrupted run is resumed). Versions published since are numbered past on
+restore (`version_mark.py`): they never go back.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
-from ray_diloco.actors.sync_restore import checkpoint_dir, restore
+from ray_diloco.actors.sync_checkpoint import CheckpointWriter, published_rounds
+from ray_diloco.actors.sync_restore import restore
 from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
@@ -71,15 +73,14 @@ class Synchronizer:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
-        from ray_diloco.algorithm import checkpoint, links, sync_core
+        from ray_diloco.algorithm import links, sync_core
         from ray_diloco.algorithm.setup import Setup
 
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
-        self.cfg, self._ck = cfg, checkpoint
+        self.cfg = cfg
         self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread
         self._lock = threading.Lock()
-        self._ckpt_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self.setup = Setup.build(cfg)
         self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
@@ -90,17 +91,15 @@ class Synchronizer:
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
         self.finished_at: float | None = None
         self.restored: dict[str, Any] | None = None
-        self.checkpointer: Any = None
         self.versions_mark: VersionMark | None = None
+        self.checkpoints: CheckpointWriter | None = None
         if cfg.checkpoint.enabled:
-            self.checkpointer, self.restored = restore(cfg, self.core, self._now())
-            self._resume_versions()
+            checkpointer, self.restored, self.versions_mark = restore(cfg, self.core, self._now())
+            self.checkpoints = CheckpointWriter(cfg, checkpointer, self._lock, self.core)
         # Per learner: the incarnation and versions it registered with, and the incarnation
         # and step of its last merged contribution (the supervisor detects rejoins from them).
         self.registered: dict[str, dict[str, Any]] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
-        self._saved_rounds = self.rounds()
-        self._ckpt_thread: threading.Thread | None = None
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
@@ -240,7 +239,7 @@ class Synchronizer:
         self._wake.set()
         self._thread.join(timeout=30)
         self._links.close()
-        return self._checkpoint()
+        return self._checkpoint_now()
 
     # -- data group: contributions, evaluation, checkpoints -----------------------------------
 
@@ -281,39 +280,10 @@ class Synchronizer:
     @ray.method(concurrency_group="data")
     def checkpoint(self) -> str | None:
         """Write a checkpoint now unless the newest one already holds this state."""
-        return self._checkpoint()
+        return self._checkpoint_now()
 
-    def _checkpoint_in_background(self) -> None:
-        """A periodic checkpoint on its own thread: writing it takes seconds on a busy host,
-        and rounds must keep closing meanwhile (the global model never stops advancing)."""
-        if self._ckpt_thread is not None and self._ckpt_thread.is_alive():
-            return
-        self._ckpt_thread = threading.Thread(
-            target=self._checkpoint_logged, name="checkpoint", daemon=True
-        )
-        self._ckpt_thread.start()
-
-    def _checkpoint_logged(self) -> None:
-        try:
-            self._checkpoint()
-        except Exception:
-            logger.exception("synchronizer checkpoint failed")
-
-    def _checkpoint(self) -> str | None:
-        if self.checkpointer is None:
-            return None
-        with self._ckpt_lock:
-            with self._lock:
-                rounds = self.rounds()
-                path = str(self.checkpointer.directory / str(rounds))
-                if rounds == self._saved_rounds and self.checkpointer.latest_step() == rounds:
-                    return path
-                arrays, meta = self._ck.sync_state_to_tree(self.core.state_dict())
-            meta = {**meta, "digest": self._ck.state_digest(self.cfg), "run": self.cfg.name}
-            self.checkpointer.save(rounds, arrays, meta)  # outside the lock: reports go on
-            self._saved_rounds = rounds
-        logger.info("checkpoint of %d rounds written to %s", rounds, path)
-        return path
+    def _checkpoint_now(self) -> str | None:
+        return self.checkpoints.write() if self.checkpoints is not None else None
 
     # -- the round thread ---------------------------------------------------------------------
 
@@ -326,8 +296,8 @@ class Synchronizer:
             try:
                 self._close_rounds()
                 rounds = self.rounds()
-                if rounds - self._saved_rounds >= self.cfg.synchronizer.checkpoint_every_rounds:
-                    self._checkpoint_in_background()
+                if self.checkpoints is not None:
+                    self.checkpoints.when_due(rounds)
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
                 if due and rounds != last_eval_rounds:  # nothing to evaluate when idle
                     self._evaluate()
@@ -429,25 +399,8 @@ class Synchronizer:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _resume_versions(self) -> None:
-        """Number restored fragments above every version published before a restart (the
-        mark survives the checkpoints' gap), so versions never go backwards."""
-        self.versions_mark = VersionMark(checkpoint_dir(self.cfg))
-        mark = self.versions_mark.load()
-        self.core.ledger.pool.restore_mark(mark.frontier, mark.holders)
-        lost = self.core.resume_versions(mark.versions)
-        if lost:
-            base = self.restored or {
-                "versions": {},
-                "rounds": 0,
-                "restart": True,
-                "time": time.time(),
-            }
-            self.restored = {**base, "rounds_lost": lost}
-            logger.warning("%d rounds published after the last checkpoint were lost", lost)
-
     def rounds(self) -> int:
-        return sum(self.core.book.versions().values())
+        return published_rounds(self.core)
 
     def _now(self) -> float:
         return time.monotonic()
