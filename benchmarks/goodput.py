@@ -22,6 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ray_diloco.config import load_config
+from ray_diloco.report import save_figure
 from ray_diloco.sim.simulate import run_reference
 
 from common import QUICK_MODEL, REFERENCE, parser, write_results
@@ -79,8 +80,7 @@ def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -
     ax_good.legend(fontsize=8)
     for ax in (ax_loss, ax_good):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=110)
+    save_figure(fig, out / f"{name}.png", dpi=110)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from ray_diloco.config import load_config
+from ray_diloco.report import save_figure
 from ray_diloco.sim.simulate import run_reference
 
 from common import QUICK_MODEL, REFERENCE, parser, write_results
@@ -69,8 +70,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("held-out loss (global parameters)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

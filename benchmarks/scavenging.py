@@ -26,6 +26,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ray_diloco.config import RunConfig, load_config
+from ray_diloco.report import save_figure
 
 from common import QUICK_MODEL, REFERENCE, parser, write_results
 
@@ -117,8 +118,7 @@ def plot(
     ax_rel.legend(fontsize=8)
     for ax in (ax_loss, ax_rel):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=110)
+    save_figure(fig, out / f"{name}.png", dpi=110)
 
 
 # The Ray run: tests/fixtures/tiny_train.yaml's model, steps paced at 50 ms (mostly sleep, so

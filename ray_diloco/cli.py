@@ -24,21 +24,13 @@ import os
 import sys
 from pathlib import Path
 
-from ray_diloco.config import ConfigError, check_output_dir, load_config
+from ray_diloco.config import ConfigError, add_config_args, check_output_dir, load_config
 from ray_diloco.log import setup_logging
 from ray_diloco.report import summary_table
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML run config (default: built-in defaults)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, repeatable, e.g. --set diloco.quorum_min=2",
-    )
+    add_config_args(p, "YAML run config (default: built-in defaults)", "diloco.quorum_min=2")
     p.add_argument("--log-level", default="WARNING")
 
 

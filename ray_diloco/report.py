@@ -126,6 +126,19 @@ def summary_table(summary: Mapping[str, Any]) -> str:
     return markdown_table(rows, ("measure", "value"))
 
 
+def save_figure(fig: Any, path: str | Path, dpi: int = 120) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; closing matters
+    because pyplot keeps every open figure alive."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write atomically (temp file + rename) so a crash never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -224,38 +224,56 @@ class TpuCluster(NamedTuple):
         return node
 
 
-def start_tpu_cluster(namespace: str) -> TpuCluster:
-    """The emulated two-region cluster of tests/chaos (ray-notes §1.5, §4), connected to: a
-    CPU-only head (1 CPU, no TPU: a TPU resource there would trigger GCE metadata lookups)
-    with health checks tuned so a killed host is declared dead in about 1.5 s, and both hosts
-    of every slice in SLICES. Shut down with `ray.shutdown(); tpu.cluster.shutdown()`."""
+def _start_head(region: str | None = None, **head_args: Any) -> Any:
+    """A local `Cluster` with only its CPU-only head (1 CPU, no TPU: a TPU resource there
+    would trigger GCE metadata lookups), labelled with `region` when given. A Ray left
+    initialised by a previous user is shut down first: it is never reused."""
     prepare_ray_env()
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():  # a previous user leaked its Ray; never reuse it
+    if ray.is_initialized():
         ray.shutdown()
-    with patient_node_start():
-        cluster = Cluster(
+    region_env = {"RAY_NODE_REGION": region} if region else {}
+    with _env(region_env), patient_node_start():
+        return Cluster(
             initialize_head=True,
             head_node_args={
                 "num_cpus": 1,
                 "include_dashboard": False,
                 "object_store_memory": 100 * 2**20,
-                "_system_config": FAST_HEALTH_CHECKS,
                 **agent_ports(),
+                **head_args,
             },
         )
+
+
+@contextlib.contextmanager
+def _connecting(cluster: Any, namespace: str) -> Iterator[None]:
+    """Add hosts inside the block; then wait for every node and connect. Any failure on the
+    way shuts the whole cluster down, so no test leaks raylets."""
+    import ray
+
     try:
-        tpu = TpuCluster(cluster, {})
-        for kind in SLICES:
-            for worker_id in range(2):
-                tpu.add_slice_host(kind, worker_id)
+        yield
         cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
         ray.init(address=cluster.address, namespace=namespace)
     except BaseException:
         cluster.shutdown()
         raise
+
+
+def start_tpu_cluster(namespace: str) -> TpuCluster:
+    """The emulated two-region cluster of tests/chaos (ray-notes §1.5, §4), connected to: a
+    CPU-only head with health checks tuned so a killed host is declared dead in about 1.5 s,
+    and both hosts of every slice in SLICES. Shut down with
+    `ray.shutdown(); tpu.cluster.shutdown()`."""
+    cluster = _start_head(_system_config=FAST_HEALTH_CHECKS)
+    tpu = TpuCluster(cluster, {})
+    with _connecting(cluster, namespace):
+        for kind in SLICES:
+            for worker_id in range(2):
+                tpu.add_slice_host(kind, worker_id)
     return tpu
 
 
@@ -292,24 +310,9 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
     every host of every slice the files allow (`max_slices` of each pool), each an emulated TPU
     host with the pool's pod type, topology, chips per host and region. Slice k of pool i is
     named `pool{i}-slice{k}`. Connected to; shut down with `ray.shutdown(); cluster.shutdown()`."""
-    prepare_ray_env()
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
     (head,) = spec.heads
-    with _env({"RAY_NODE_REGION": head.region}), patient_node_start():
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "include_dashboard": False,
-                "object_store_memory": 100 * 2**20,
-                **agent_ports(),
-            },
-        )
-    try:
+    cluster = _start_head(region=head.region)
+    with _connecting(cluster, namespace):
         for i, pool in enumerate(spec.pools):
             shape = pool.shape
             for k in range(pool.max_slices):
@@ -325,11 +328,6 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
                         num_cpus=cpus_per_host,
                         wait=False,  # the hosts start side by side
                     )
-        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
-        ray.init(address=cluster.address, namespace=namespace)
-    except BaseException:
-        cluster.shutdown()
-        raise
     return cluster
 
 

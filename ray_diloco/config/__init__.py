@@ -10,6 +10,7 @@ YAML scalars). Errors name the field and the fix; nothing here imports jax or ra
 
 from ray_diloco.config.base import ConfigError, WireDtype
 from ray_diloco.config.files import (
+    add_config_args,
     apply_overrides,
     build_config,
     check_output_dir,
@@ -64,6 +65,7 @@ __all__ = [
     "SupervisorConfig",
     "SynchronizerConfig",
     "WireDtype",
+    "add_config_args",
     "apply_overrides",
     "build_config",
     "check_output_dir",

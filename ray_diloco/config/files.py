@@ -3,6 +3,7 @@ per problem naming the field or file and the fix, and the run dir's config dump.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -106,6 +107,20 @@ def build_config(tree: dict[str, Any], source: str = "<dict>") -> RunConfig:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source)) from None
+
+
+def add_config_args(p: argparse.ArgumentParser, config_help: str, example: str) -> None:
+    """`--config FILE` and repeatable `--set KEY=VALUE` (into `args.overrides`), the one way
+    every command takes a run config."""
+    p.add_argument("--config", help=config_help)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"dotted override, repeatable, e.g. --set {example}",
+    )
 
 
 def load_config(path: str | Path | None, overrides: tuple[str, ...] | list[str] = ()) -> RunConfig:

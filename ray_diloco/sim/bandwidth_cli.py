@@ -18,7 +18,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from ray_diloco.config import ConfigError, check_output_dir, load_config, whole_number
+from ray_diloco.config import (
+    ConfigError,
+    add_config_args,
+    check_output_dir,
+    load_config,
+    whole_number,
+)
 from ray_diloco.report import machine
 from ray_diloco.sim.bandwidth_sim import PRESETS, format_table, plot, rows
 
@@ -29,13 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         description="WAN bandwidth data-parallel and Decoupled DiLoCo need across datacenters, "
         "and the goodput each gets on given links.",
     )
-    p.add_argument("--config", help="YAML run config; its bandwidth_sim section is used")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. bandwidth_sim.step_time_s=3 (repeatable)",
+    add_config_args(
+        p, "YAML run config; its bandwidth_sim section is used", "bandwidth_sim.step_time_s=3"
     )
     p.add_argument(
         "--preset",
@@ -65,7 +66,7 @@ def simulate_bandwidth_main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--links {args.links}: bandwidths must be > 0 Gbps")
         if args.out is not None:
             check_output_dir(args.out, "--out")
-        cfg = load_config(args.config, args.set).bandwidth_sim
+        cfg = load_config(args.config, args.overrides).bandwidth_sim
         table_rows = rows(cfg, args.preset, args.datacenters, args.links)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -32,6 +32,7 @@ from typing import Any
 from ray_diloco.algorithm.links import link_seconds
 from ray_diloco.algorithm.wire import publish_dtype, wire_bytes
 from ray_diloco.config import BandwidthSimConfig, LinkConfig, WireDtype
+from ray_diloco.report import save_figure
 
 # The published pair: 198 Gbps for data-parallel against 0.84 Gbps for Decoupled DiLoCo across
 # 8 datacenters (arXiv 2604.21428 and its announcement). Model size, step time, H and the wire
@@ -209,9 +210,4 @@ def plot(cfg: BandwidthSimConfig, path: str | Path, links: Sequence[float]) -> P
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -27,7 +27,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.config import ConfigError, RunConfig, check_output_dir, load_config, whole_number
+from ray_diloco.config import (
+    ConfigError,
+    RunConfig,
+    add_config_args,
+    check_output_dir,
+    load_config,
+    whole_number,
+)
 from ray_diloco.report import machine
 from ray_diloco.sim.goodput_sim import PRESETS, simulate
 from ray_diloco.sim.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, published, sweep
@@ -41,13 +48,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Goodput and uptime of data-parallel, elastic data-parallel and Decoupled "
         "DiLoCo on one simulated failure trace.",
     )
-    p.add_argument("--config", help="YAML run config; its goodput_sim section is used")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. goodput_sim.recovery=pareto (repeatable)",
+    add_config_args(
+        p, "YAML run config; its goodput_sim section is used", "goodput_sim.recovery=pareto"
     )
     p.add_argument(
         "--preset",
@@ -75,7 +77,7 @@ def _is_sweep(args: argparse.Namespace) -> bool:
 
 def _load(args: argparse.Namespace) -> RunConfig:
     preset = [f"goodput_sim.{k}={v}" for k, v in PRESETS[args.preset].items()]
-    overrides = [*preset, *args.set]
+    overrides = [*preset, *args.overrides]
     # A single run's flags go through the config so they are validated like any other setting;
     # a sweep sets chips and learners per cell itself.
     if not _is_sweep(args):

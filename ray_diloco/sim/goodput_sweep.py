@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
+from ray_diloco.report import save_figure
 from ray_diloco.sim.goodput_sim import (
     SystemResult,
     data_parallel,
@@ -192,9 +193,4 @@ def plot(rows: Sequence[Row], path: str | Path, title: str) -> Path:
         loc="center left",
         bbox_to_anchor=(1.01, 0.5),
     )
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
