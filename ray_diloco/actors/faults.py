@@ -14,7 +14,8 @@ time) once it took effect. How each fault is made real:
 - straggler / corrupt_nan / corrupt_norm: hooks on `LearnerHost` (actors/host_faults.py);
 - cut_link / slow_link: the region's emulated WAN link, impaired for `duration_s` both in the
   synchronizer (downstream) and in every learner of the region (upstream);
-- kill_synchronizer: `ray.kill(..., no_restart=False)`: Ray reconstructs it from its checkpoint.
+- kill_synchronizer: `ray.kill(..., no_restart=False)` of the target shard (default 0): Ray
+  reconstructs it from its checkpoint.
 A fault whose target learner is down (being restarted) when it is due is skipped, not recorded.
 """
 
@@ -62,10 +63,12 @@ class Targets(Protocol):
 
     def learners_in(self, region: str) -> list[str]: ...
 
-    def synchronizer(self) -> Any: ...
+    def synchronizer(self, shard: int = 0) -> Any: ...
 
-    def synchronizer_killed(self, rounds: int | None) -> None:
-        """Called right before the synchronizer is killed, with its closed rounds."""
+    def synchronizer_shards(self) -> list[Any]: ...
+
+    def synchronizer_killed(self, shard: int, rounds: int | None) -> None:
+        """Called right before shard `shard` is killed, with its closed rounds."""
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -204,7 +207,8 @@ class ChaosEngine:
 
     def _link(self, a: FaultAction, factor: float | None) -> str:
         region = str(a.target)
-        refs = [self.targets.synchronizer().impair_link.remote(region, a.duration_s, factor)]
+        shards = self.targets.synchronizer_shards()
+        refs = [h.impair_link.remote(region, a.duration_s, factor) for h in shards]
         for learner in self.targets.learners_in(region):
             hosts = self.targets.hosts(learner)
             if hosts:
@@ -220,14 +224,15 @@ class ChaosEngine:
         return self._link(a, a.factor)
 
     def _kill_synchronizer(self, a: FaultAction) -> str:
-        sync = self.targets.synchronizer()
+        shard = int(a.target or 0)
+        sync = self.targets.synchronizer(shard)
         try:
             rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S)["rounds"]
         except ray.exceptions.RayError:
             rounds = None
-        self.targets.synchronizer_killed(rounds)
+        self.targets.synchronizer_killed(shard, rounds)
         ray.kill(sync, no_restart=False)
-        return f"at {rounds} rounds"
+        return f"shard {shard} at {rounds} rounds"
 
 
 class _Skip(Exception):

@@ -46,7 +46,7 @@ from ray_diloco.actors.faults import ChaosEngine, HostRef
 from ray_diloco.actors.learner_slot import make_slot, stop_all
 from ray_diloco.actors.membership import Scavenger, draining_nodes
 from ray_diloco.actors.resources import head_pin_options
-from ray_diloco.actors.sync_watch import SyncWatch, uptime_window_s
+from ray_diloco.actors.sync_watch import ShardWatch, uptime_window_s
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.chaos import chaos_schedule
 from ray_diloco.control.degradation import DegradationMonitor
@@ -84,7 +84,7 @@ class Supervisor:
         self,
         cfg: RunConfig,
         t0: float,
-        synchronizer: Any,
+        shards: list[Any],
         log_level: str = "WARNING",
         pin_region: bool = True,
         config_digest: str = "",
@@ -111,8 +111,8 @@ class Supervisor:
         self._retired: set[str] = set()
         self._drains_polled = 0.0
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
-        self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
-        self.sync_handle = synchronizer
+        self.sync = ShardWatch(shards, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
+        self.shards = shards
         actions = chaos_schedule(cfg.chaos, names, sorted(set(self.regions.values())), HORIZON_S)
         self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None
         self._lock = threading.Lock()
@@ -214,11 +214,14 @@ class Supervisor:
     def learners_in(self, region: str) -> list[str]:
         return sorted(n for n, r in self.regions.items() if r == region)
 
-    def synchronizer(self) -> Any:
-        return self.sync_handle
+    def synchronizer(self, shard: int = 0) -> Any:
+        return self.shards[shard]
 
-    def synchronizer_killed(self, rounds: int | None) -> None:
-        self.sync.killed(rounds)
+    def synchronizer_shards(self) -> list[Any]:
+        return list(self.shards)
+
+    def synchronizer_killed(self, shard: int, rounds: int | None) -> None:
+        self.sync.killed(shard, rounds)
 
     # -- the control loop ---------------------------------------------------------------------
 
@@ -351,23 +354,27 @@ class Supervisor:
         self._record_all(self.control.leave(name, now, reason))
         self._training_since.pop(name, None)
         self.slots[name].release()
-        self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
+        self._sync_leaves[name] = (self._leave_all(name), reason)
+
+    def _leave_all(self, name: str) -> list[Any]:
+        """Tell every shard that `name` left (shard 0 takes its data back)."""
+        return [h.leave.remote(name) for h in self.shards]
 
     def _collect_sync_leaves(self, now: float) -> None:
-        """Acknowledged leaves go on the tape with the data they gave back; failed calls (a
-        synchronizer being restored) are sent again."""
-        for name, (ref, reason) in list(self._sync_leaves.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
+        """Acknowledged leaves go on the tape with the data they gave back (shard 0's answer);
+        failed calls (a shard being restored) are sent again."""
+        for name, (refs, reason) in list(self._sync_leaves.items()):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
                 continue
             try:
-                tokens = int(ray.get(ref))
+                tokens = [int(t) for t in ray.get(refs)]
             except ray.exceptions.RayError as err:
                 logger.info("leave of %s not acknowledged (%s); resending", name, err)
-                self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
+                self._sync_leaves[name] = (self._leave_all(name), reason)
                 continue
             del self._sync_leaves[name]
-            self._record(LearnerLeft(now, name, reason, tokens))
+            self._record(LearnerLeft(now, name, reason, tokens[0]))
 
     def _leave_draining_nodes(self, now: float) -> None:
         draining = draining_nodes()
@@ -388,7 +395,7 @@ class Supervisor:
                 return
             self._retired.add(name)
             self.slots[name].release()
-            self._sync_leaves[name] = (self.sync_handle.leave.remote(name), "retired: gave up")
+            self._sync_leaves[name] = (self._leave_all(name), "retired: gave up")
 
     def _on_reply(self, name: str, host: int, reply: dict[str, Any], now: float) -> None:
         inc, state = int(reply["incarnation"]), str(reply["state"])
@@ -517,7 +524,7 @@ _UP = frozenset({LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLO
 def create_supervisor(
     cfg: RunConfig,
     t0: float,
-    synchronizer: Any,
+    shards: list[Any],
     log_level: str,
     pin_region: bool,
     config_digest: str,
@@ -530,4 +537,4 @@ def create_supervisor(
         **head_pin_options(),
     }
     actor = Supervisor.options(**options)  # type: ignore[attr-defined]
-    return actor.remote(cfg, t0, synchronizer, log_level, pin_region, config_digest)
+    return actor.remote(cfg, t0, shards, log_level, pin_region, config_digest)

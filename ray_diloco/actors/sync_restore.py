@@ -17,20 +17,23 @@ from typing import Any
 
 import ray
 
+from ray_diloco.algorithm.shards import shard_directory
 from ray_diloco.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.run_dir) / "checkpoints" / "synchronizer"
+def checkpoint_dir(cfg: RunConfig, shard: int = 0) -> Path:
+    return shard_directory(cfg.run_dir, shard)
 
 
-def restore(cfg: RunConfig, core: Any, now: float) -> tuple[Any, dict[str, Any] | None]:
-    """(the checkpointer, what was restored or None) for a `SynchronizerCore`."""
+def restore(
+    cfg: RunConfig, core: Any, now: float, shard: int = 0
+) -> tuple[Any, dict[str, Any] | None]:
+    """(the checkpointer, what was restored or None) for shard `shard`'s `SynchronizerCore`."""
     from ray_diloco.algorithm import checkpoint
 
-    directory = checkpoint_dir(cfg)
+    directory = checkpoint_dir(cfg, shard)
     try:
         checkpointer = checkpoint.Checkpointer(directory, cfg.checkpoint.keep)
     except OSError as err:

@@ -1,4 +1,6 @@
-"""Layer: actors (Ray shell). The supervisor's view of the synchronizer.
+"""Layer: actors (Ray shell). The supervisor's view of the synchronizer: one `SyncWatch` per
+shard, combined by `ShardWatch` (one shard down stalls only its fragments, and is lost and
+restored on its own).
 
 Every poll sends one `status(since_event)` call unless one is in flight and reads it when it is
 ready, never blocking the control loop. From the answers it produces tape events: the
@@ -20,6 +22,7 @@ from typing import Any
 import ray
 
 from ray_diloco.actors.errors import classify_ray_error
+from ray_diloco.actors.sync_shards import combine_status
 from ray_diloco.control.events import (
     Event,
     SynchronizerLost,
@@ -47,8 +50,10 @@ class SyncWatch:
         timeout_s: float,
         clock: Callable[[], float],
         startup_timeout_s: float = 600.0,
+        shard: int = 0,
     ) -> None:
         self.handle, self.t0, self.timeout_s, self.clock = handle, t0, timeout_s, clock
+        self.shard = shard
         self.startup_timeout_s = startup_timeout_s
         self.status: dict[str, Any] | None = None  # the latest answer
         self.last_ok: float = clock()
@@ -94,7 +99,8 @@ class SyncWatch:
             return []
         self.lost = True
         logger.warning("synchronizer unanswered for %.1fs", silent)
-        return [SynchronizerLost(now, silent, detail or f"no status answer for {silent:.1f}s")]
+        why = detail or f"no status answer for {silent:.1f}s"
+        return [SynchronizerLost(now, silent, why, self.shard)]
 
     def _answer(self, st: dict[str, Any], now: float) -> list[Event]:
         events: list[Event] = []
@@ -115,14 +121,18 @@ class SyncWatch:
         """The answer comes from a new synchronizer process: its journal starts afresh."""
         events: list[Event] = []
         if not self.lost:  # reconstructed faster than the timeout: lost all the same
-            events.append(SynchronizerLost(now, now - self.last_ok, "answered by a new process"))
+            why = "answered by a new process"
+            events.append(SynchronizerLost(now, now - self.last_ok, why, self.shard))
         restored = st.get("restored") or {}
         before = self.rounds_at_kill if self.rounds_at_kill is not None else self._last_rounds
         after = int(restored.get("rounds", 0))
         versions = {int(p): int(v) for p, v in restored.get("versions", {}).items()}
-        events.append(SynchronizerRestored(now, versions, max(0, before - after)))
+        events.append(SynchronizerRestored(now, versions, max(0, before - after), self.shard))
         logger.warning(
-            "synchronizer restored at %d rounds; %d rounds lost", after, max(0, before - after)
+            "synchronizer shard %d restored at %d rounds; %d rounds lost",
+            self.shard,
+            after,
+            max(0, before - after),
         )
         self.restores += 1
         self.rounds_at_kill = None
@@ -131,3 +141,48 @@ class SyncWatch:
         st["events"] = []
         st["event_seq"] = 0
         return events
+
+
+class ShardWatch:
+    """Every shard's `SyncWatch`, seen as one synchronizer by the supervisor."""
+
+    def __init__(
+        self,
+        handles: list[Any],
+        t0: float,
+        timeout_s: float,
+        clock: Callable[[], float],
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.watches = [
+            SyncWatch(h, t0, timeout_s, clock, startup_timeout_s, shard)
+            for shard, h in enumerate(handles)
+        ]
+
+    @property
+    def up(self) -> bool:
+        return all(w.up for w in self.watches)
+
+    @property
+    def restores(self) -> int:
+        return sum(w.restores for w in self.watches)
+
+    @property
+    def status(self) -> dict[str, Any] | None:
+        """The shards' latest answers combined (None before shard 0's first)."""
+        if self.watches[0].status is None:
+            return None
+        return combine_status([w.status for w in self.watches])
+
+    def killed(self, shard: int, rounds: int | None) -> None:
+        self.watches[shard].killed(rounds)
+
+    def poll(self) -> tuple[list[Event], dict[str, Any] | None]:
+        """(every shard's events for the tape, the combined status when a shard answered)."""
+        events: list[Event] = []
+        answered = False
+        for w in self.watches:
+            evs, st = w.poll()
+            events += evs
+            answered = answered or st is not None
+        return events, self.status if answered else None

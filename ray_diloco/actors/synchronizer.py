@@ -1,7 +1,10 @@
-"""Layer: actors (Ray shell). The named, detached synchronizer actor.
+"""Layer: actors (Ray shell). The named, detached synchronizer actor (one per shard).
 
-It wraps one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fencing, ledger)
-and carries its decisions out with real time and real transport, mirroring
+A run's synchronizer may be split into shards (`synchronizer.num_shards`,
+actors/sync_shards.py): each is one of these actors, owning some fragments; shard 0 also hands
+out the data and runs the held-out evaluation, reading the other shards' fragments. It wraps
+one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fencing, ledger) and
+carries its decisions out with real time and real transport, mirroring
 `simulate._run_diloco`: offers go to `core.offer`, a background thread closes due rounds
 (`close_due` under the lock, `merge` outside it, `commit` under it) and publishes each merged
 fragment once with `ray.put` to its recipients (`diloco.publish_to`: the learners the round
@@ -19,6 +22,7 @@ State is checkpointed with Orbax every `checkpoint_every_rounds` rounds (on a th
 so rounds keep closing) and on `shutdown()`, and restored in `__init__` when a checkpoint of the
 same state digest exists (after a restart, or when a run dir of an interrupted run is resumed).
 Versions published since are numbered past on restore (`version_mark.py`): they never go back.
+Each shard checkpoints and restores its own fragments; a dead shard stalls only those.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import resource
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -37,6 +42,7 @@ from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
+from ray_diloco.actors.sync_shards import shard_name
 from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
@@ -52,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
+GATHER_TIMEOUT_S = 60.0  # the other shards' fragments for an evaluation (a dead one: skipped)
 
 
 def config_digest(cfg: RunConfig) -> str:
@@ -62,23 +69,29 @@ def config_digest(cfg: RunConfig) -> str:
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
 class Synchronizer:
-    def __init__(self, cfg: RunConfig, log_level: str = "WARNING") -> None:
+    def __init__(self, cfg: RunConfig, shard: int = 0, log_level: str = "WARNING") -> None:
         setup_logging(log_level)
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
         from ray_diloco.algorithm import checkpoint, links, sync_core
         from ray_diloco.algorithm.setup import Setup
+        from ray_diloco.algorithm.shards import assign_fragments
 
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
-        self.cfg, self._ck = cfg, checkpoint
+        self.cfg, self._ck, self.shard = cfg, checkpoint, shard
         self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread
         self._lock = threading.Lock()
-        self._ckpt_lock = threading.Lock()
+        self._ckpt_lock, self._eval_lock = threading.Lock(), threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self.setup = Setup.build(cfg)
-        self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
+        owned = assign_fragments(self.setup.plan.sizes, cfg.synchronizer.num_shards)[shard]
+        self.core = sync_core.SynchronizerCore(
+            cfg, self.setup.plan, self.setup.init, owned, owns_data=shard == 0
+        )
+        self.setup.init = {}  # the core copied its fragments; the rest would only take memory
+        self._others: list[Any] | None = None  # the other shards (shard 0 evaluates)
         self.journal = Journal()
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
         self.hosts: dict[str, list[Any]] = {}
@@ -89,7 +102,7 @@ class Synchronizer:
         self.checkpointer: Any = None
         self.versions_mark: VersionMark | None = None
         if cfg.checkpoint.enabled:
-            self.checkpointer, self.restored = restore(cfg, self.core, self._now())
+            self.checkpointer, self.restored = restore(cfg, self.core, self._now(), shard)
             self._resume_versions()
         # Per learner: the incarnation and versions it registered with, and the incarnation
         # and step of its last merged contribution (the supervisor detects rejoins from them).
@@ -97,6 +110,7 @@ class Synchronizer:
         self.merged_by: dict[str, tuple[int, int]] = {}
         self._saved_rounds = self.rounds()
         self._ckpt_thread: threading.Thread | None = None
+        self._eval_thread: threading.Thread | None = None
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
@@ -159,12 +173,16 @@ class Synchronizer:
         step_time_s: float | None,
         cursor: int,
         loss: float | None,
+        dropped: int = 0,
     ) -> dict[str, Any]:
         """A progress report (the heartbeat). `ok` False: this incarnation is fenced (or the
         synchronizer restarted and wants it to register again). `stop`: the budget is spent.
-        `leases`: data added to keep the learner supplied."""
+        `leases`: data added to keep the learner supplied. `dropped`: tokens of contributions
+        the learner could not send before it adopted a newer version (learner_channel.py)."""
         with self._lock:
             leases = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            if leases is not None:
+                self.core.ledger.record_dropped(learner, dropped)
             ok = leases is not None
             if ok:
                 self.journal.progress(learner, step, cursor, loss, step_time_s)
@@ -187,6 +205,9 @@ class Synchronizer:
             events, seq = self.journal.events_since(since_event)
             return {
                 "run": self.cfg.name,
+                "shard": self.shard,
+                "fragments": list(self.core.owned),
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "started_at": self.started_at,
                 "config_digest": config_digest(self.cfg),
                 "num_params": self.setup.num_params(),
@@ -203,6 +224,7 @@ class Synchronizer:
                 "bytes_down": dict(core.bytes_down),
                 "rejected": dict(core.rejected),
                 "ledger_violations": core.ledger.violations(),
+                "tokens_dropped": core.ledger.tokens_dropped,
                 "learners": self.journal.learner_table(),
                 "finished": self.finished_at is not None,
                 "restored": self.restored,
@@ -263,8 +285,18 @@ class Synchronizer:
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:
-        """Held-out loss of the global parameters now (recorded in the history)."""
-        return self._evaluate()
+        """Held-out loss of the global parameters now (recorded in the history); shard 0
+        only (it reads the other shards' fragments)."""
+        loss = self._evaluate()
+        if loss is None:
+            raise RuntimeError("synchronizer: another shard did not hand over its fragments")
+        return loss
+
+    @ray.method(concurrency_group="control")
+    def fragment_values(self) -> tuple[dict[str, Any], int]:
+        """This shard's global values and its closed rounds, for shard 0's evaluation."""
+        with self._lock:
+            return self.core.global_params(), self.rounds()
 
     @ray.method(concurrency_group="data")
     def checkpoint(self) -> str | None:
@@ -306,7 +338,8 @@ class Synchronizer:
     # -- the round thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self._evaluate()  # the starting point of the loss curve; compiles the eval function
+        if self.shard == 0:
+            self._evaluate()  # the starting point of the loss curve; compiles the eval function
         last_eval, last_eval_rounds = time.monotonic(), 0
         while not self._stop.is_set():
             self._wake.wait(timeout=self._idle_s())
@@ -317,8 +350,8 @@ class Synchronizer:
                 if rounds - self._saved_rounds >= self.cfg.synchronizer.checkpoint_every_rounds:
                     self._checkpoint_in_background()
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
-                if due and rounds != last_eval_rounds:  # nothing to evaluate when idle
-                    self._evaluate()
+                if self.shard == 0 and due and rounds != last_eval_rounds:  # not when idle
+                    self._evaluate_in_background()
                     last_eval, last_eval_rounds = time.monotonic(), rounds
             except Exception:  # the thread must survive anything a round throws
                 logger.exception("synchronizer round thread")
@@ -360,6 +393,7 @@ class Synchronizer:
                         pub.version,
                         len(close.contributions),
                         close.num_tokens,
+                        self.shard,
                     )
                 )
             self._publish(pub.fragment, pub.version, pub.encoded, targets)
@@ -400,21 +434,50 @@ class Synchronizer:
         m.global_version(pub.version)
         m.live_learners(live)
 
-    def _evaluate(self) -> float:
-        with self._lock:
-            tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
-        loss = self.setup.evaluate(self.core.global_params())
-        with self._lock:
-            self.journal.eval_point(tokens, rounds, loss)
+    def _evaluate_in_background(self) -> None:
+        """A periodic evaluation on its own thread: gathering the other shards' fragments
+        (or one that is down) must not hold this shard's rounds up."""
+        if self._eval_thread is not None and self._eval_thread.is_alive():
+            return
+        self._eval_thread = threading.Thread(target=self._evaluate, name="evaluate", daemon=True)
+        self._eval_thread.start()
+
+    def _evaluate(self) -> float | None:
+        """Evaluate and record the global parameters (None: a shard did not answer)."""
+        with self._eval_lock:
+            with self._lock:
+                tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
+            params = self.core.global_params()
+            try:
+                for values, shard_rounds in self._gather():
+                    params.update(values)
+                    rounds += shard_rounds
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+                logger.warning("evaluation skipped: a shard's fragments are missing (%s)", err)
+                return None
+            loss = self.setup.evaluate(params)
+            with self._lock:
+                self.journal.eval_point(tokens, rounds, loss)
         self.metrics.heldout_loss(loss)
         return loss
+
+    def _gather(self) -> list[tuple[dict[str, Any], int]]:
+        """The other shards' fragments and rounds (none with one shard)."""
+        if self._others is None:
+            ns = self.cfg.synchronizer.namespace
+            self._others = [
+                ray.get_actor(shard_name(self.cfg, s), namespace=ns)
+                for s in range(1, self.cfg.synchronizer.num_shards)
+            ]
+        refs = [h.fragment_values.remote() for h in self._others]
+        return list(ray.get(refs, timeout=GATHER_TIMEOUT_S)) if refs else []
 
     # -- helpers ------------------------------------------------------------------------------
 
     def _resume_versions(self) -> None:
         """Number restored fragments above every version published before a restart (the
         mark survives the checkpoints' gap), so versions never go backwards."""
-        self.versions_mark = VersionMark(checkpoint_dir(self.cfg))
+        self.versions_mark = VersionMark(checkpoint_dir(self.cfg, self.shard))
         versions, frontier = self.versions_mark.load()
         self.core.ledger.pool.raise_frontiers(frontier)
         lost = self.core.resume_versions(versions)
@@ -440,23 +503,38 @@ def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
     host.receive.remote(fragment, version, ref)
 
 
-def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
-    """The named, detached, restartable actor pinned to the head (or its configured region)."""
+def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:
+    """Shard `shard`: named, detached and restartable, pinned to the head (or the configured
+    region), or spread over the nodes `synchronizer.placement` selects."""
     s = cfg.synchronizer
-    placement = head_pin_options() if s.region == LOCAL_REGION else region_options(s.region)
+    where = s.placement
+    placement: dict[str, Any]
+    if where.pinned:
+        placement = {"num_cpus": where.num_cpus, "scheduling_strategy": "SPREAD"}
+        if where.resources:
+            placement["resources"] = dict(where.resources)
+        if where.labels:
+            placement["label_selector"] = dict(where.labels)
+    elif s.region == LOCAL_REGION:
+        placement = {"num_cpus": 0, **head_pin_options()}
+    else:
+        placement = {"num_cpus": 0, **region_options(s.region)}
     return {
-        "name": s.name,
+        "name": shard_name(cfg, shard),
         "namespace": s.namespace,
         "lifetime": "detached",
         "get_if_exists": True,
         "max_restarts": -1,
         "max_task_retries": -1,
-        "num_cpus": 0,
         # The synchronizer does no forward/backward: never let JAX grab an accelerator.
         "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
         **placement,
     }
 
 
-def get_or_create_synchronizer(cfg: RunConfig, log_level: str = "WARNING") -> Any:
-    return Synchronizer.options(**synchronizer_options(cfg)).remote(cfg, log_level)  # type: ignore[attr-defined]
+def create_synchronizer(cfg: RunConfig, log_level: str = "WARNING") -> list[Any]:
+    """Every shard of the run's synchronizer (existing ones are returned as they are)."""
+    return [
+        Synchronizer.options(**synchronizer_options(cfg, shard)).remote(cfg, shard, log_level)  # type: ignore[attr-defined]
+        for shard in range(cfg.synchronizer.num_shards)
+    ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,9 +154,12 @@ class RoundBook:
         num_fragments: int,
         sync_time_s: float = 0.0,
         roster: set[str] | None = None,
+        owned: Iterable[int] | None = None,
     ) -> None:
         self.policy = policy
-        self.fragments = [_FragmentState() for _ in range(num_fragments)]
+        # The fragments whose rounds this book runs (a synchronizer shard owns some of them).
+        ids = range(num_fragments) if owned is None else sorted(owned)
+        self.fragments = {p: _FragmentState() for p in ids}
         self.members: dict[str, _Member] = {}
         self.sync_time_s = sync_time_s  # EMA of merge + publish time
         # The learners in the run (the configured ones, joined, not yet left): K never exceeds
@@ -175,7 +179,7 @@ class RoundBook:
         self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
         if self.roster is not None:
             self.roster.add(learner)
-        for frag in self.fragments:  # the new incarnation adopts every fragment afresh
+        for frag in self.fragments.values():  # the new incarnation adopts every one afresh
             frag.merged.pop(learner, None)
         return self.versions()
 
@@ -204,7 +208,7 @@ class RoundBook:
             self.members[learner].active = False
         if self.roster is not None:
             self.roster.discard(learner)
-        for frag in self.fragments:
+        for frag in self.fragments.values():
             if not frag.merging and frag.pending:
                 self._maybe_reach_quorum(frag, now)
 
@@ -221,7 +225,7 @@ class RoundBook:
         return {n for n, m in self.members.items() if m.active and m.last_seen_s >= horizon}
 
     def versions(self) -> dict[int, int]:
-        return {p: f.version for p, f in enumerate(self.fragments)}
+        return {p: f.version for p, f in self.fragments.items()}
 
     def slowest_step_time(self, now: float) -> float:
         live = self.live(now)
@@ -317,7 +321,7 @@ class RoundBook:
         """Close every round whose quorum is met and whose grace window is over (or moot)."""
         live = self.live(now)
         closes = []
-        for p, frag in enumerate(self.fragments):
+        for p, frag in self.fragments.items():
             if frag.merging or frag.quorum_s is None:
                 continue
             everyone_in = live <= frag.pending.keys()
@@ -329,7 +333,7 @@ class RoundBook:
         """The earliest time a grace window expires: when the caller should poll next."""
         deadlines = [
             f.quorum_s + f.grace_s
-            for f in self.fragments
+            for f in self.fragments.values()
             if f.quorum_s is not None and not f.merging
         ]
         return min(deadlines, default=None)
@@ -406,8 +410,8 @@ class RoundBook:
         """What survives a synchronizer restart: versions, norm history, learned sync time.
         Pending sets are not kept: their payloads live in memory and learners resend."""
         return {
-            "versions": [f.version for f in self.fragments],
-            "norms": [list(f.norms) for f in self.fragments],
+            "versions": [f.version for f in self.fragments.values()],
+            "norms": [list(f.norms) for f in self.fragments.values()],
             "sync_time_s": self.sync_time_s,
             "incarnations": {n: m.incarnation for n, m in self.members.items()},
             "roster": sorted(self.roster) if self.roster is not None else None,
@@ -416,7 +420,8 @@ class RoundBook:
     def load_state_dict(self, state: dict[str, Any], now: float) -> None:
         if self.roster is not None and state.get("roster") is not None:
             self.roster = set(state["roster"])
-        for frag, v, norms in zip(self.fragments, state["versions"], state["norms"], strict=True):
+        frags = self.fragments.values()
+        for frag, v, norms in zip(frags, state["versions"], state["norms"], strict=True):
             frag.version = int(v)
             frag.norms.extend(float(x) for x in norms)
         self.sync_time_s = float(state["sync_time_s"])
