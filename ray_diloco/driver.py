@@ -210,6 +210,11 @@ class _Run:
             if st["finished"]:
                 return "token budget reached"
             if sup["all_gave_up"]:
+                # The learners stop at the budget too: a shard answering late (being restored)
+                # can make the synchronizer's answer older than the supervisor's. Ask again.
+                assert self.sync is not None
+                if self.sync.status(NO_EVENTS, 120)["finished"]:
+                    return "token budget reached"
                 logger.error("every learner was given up before the token budget")
                 return "every learner gave up"
             why = self.stop_when(sup) if self.stop_when is not None else None

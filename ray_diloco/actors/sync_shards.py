@@ -86,7 +86,7 @@ def combine_status(statuses: list[dict[str, Any] | None]) -> dict[str, Any]:
                 mine["versions"] = {**mine["versions"], **reg["versions"]}
     out["registered"] = registered
     out["shards"] = [
-        None if st is None else {k: st[k] for k in ("shard", "rounds", "restored", "peak_rss_mb")}
+        None if st is None else {k: st[k] for k in ("shard", "rounds", "restored", "rss_mb")}
         for st in statuses
     ]
     return out

@@ -30,11 +30,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import resource
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
@@ -207,7 +207,7 @@ class Synchronizer:
                 "run": self.cfg.name,
                 "shard": self.shard,
                 "fragments": list(self.core.owned),
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "rss_mb": psutil.Process().memory_info().rss / 2**20,
                 "started_at": self.started_at,
                 "config_digest": config_digest(self.cfg),
                 "num_params": self.setup.num_params(),

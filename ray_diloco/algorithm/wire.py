@@ -17,7 +17,7 @@ both ends already know from the config and the fragment plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -145,31 +145,69 @@ def _float_payload(enc: Encoded) -> np.ndarray:
     return bits.view(ml_dtypes.bfloat16)
 
 
+Fill = Callable[[int, int, np.ndarray], None]
+# Byte b of an int4 payload holds two's-complement nibbles (low: element 2i, high: 2i+1);
+# row b is their values, sign-extended (0..7 stay, 8..15 become -8..-1), as float32.
+_INT4_PAIRS = np.array(
+    [[((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], dtype=np.float32
+)
+
+
+def _decoder(enc: Encoded) -> tuple[int, Fill]:
+    """(chunk size, fill): `fill(s, e, out)` writes decoded elements s:e into `out`, for
+    chunks that start at multiples of the chunk size (int4 chunks hold whole blocks)."""
+    if enc.dtype in ("float32", "bfloat16"):
+        src = _float_payload(enc)
+
+        def fill(s: int, e: int, out: np.ndarray) -> None:
+            out[...] = src[s:e]  # converts bfloat16 to float32
+
+        return CHUNK, fill
+    if enc.dtype == "int8":
+        q8 = np.frombuffer(enc.payload, dtype=np.int8)
+        scale = np.frombuffer(enc.scales, dtype=_F32)[0]
+        return CHUNK, lambda s, e, out: np.multiply(q8[s:e], scale, out=out)
+    packed = np.frombuffer(enc.payload, dtype=np.uint8)
+    scales = np.frombuffer(enc.scales, dtype=_F32)
+    bs = enc.block_size
+    step = max(2 * bs, CHUNK // (2 * bs) * 2 * bs)  # whole blocks, an even start
+
+    def fill4(s: int, e: int, out: np.ndarray) -> None:
+        part = packed[s // 2 : (e + 1) // 2]
+        if (e - s) % 2 == 0:  # one gather: each byte to its two values
+            np.take(_INT4_PAIRS, part, axis=0, out=out.reshape(-1, 2))
+        else:  # the leaf's last chunk, with the padding nibble
+            out[...] = _INT4_PAIRS[part].reshape(-1)[: e - s]
+        block = scales[s // bs : -(-e // bs)]
+        whole = (e - s) // bs * bs
+        out[:whole].reshape(-1, bs)[...] *= block[: whole // bs, None]
+        if whole < e - s:
+            out[whole:] *= block[-1]
+
+    return step, fill4
+
+
 def decode_add(
     enc: Encoded, base: ArrayLike, anchor: ArrayLike | None = None
 ) -> tuple[np.ndarray, float]:
     """`decode(enc) + base` as a fresh float32 array of `base`'s shape (a learner's values from
     its delta and the published base), and `||anchor - result||^2` (0.0 without an anchor;
-    NaN or inf when the result is not finite). For float32 and bfloat16 one pass a cache-sized
-    chunk at a time: every contribution goes through here, the synchronizer's hot path."""
+    NaN or inf when the result is not finite), in one pass a cache-sized chunk at a time:
+    every contribution goes through here, the synchronizer's hot path."""
     n = _checked(enc)
     b = flat32(base)
     if b.size != n:
         raise ValueError(f"decode_add: {n} elements on the wire, {b.size} in the base")
-    if enc.dtype not in ("float32", "bfloat16"):
-        out = decode(enc).reshape(-1)
-        out += b
-        sq = 0.0 if anchor is None else sq_distance(anchor, out)
-        return out.reshape(np.shape(base)), sq
     g = None if anchor is None else flat32(anchor)
-    src, out = _float_payload(enc), np.empty(n, _F32)
-    tmp = np.empty(min(CHUNK, n), _F32)
+    step, fill = _decoder(enc)
+    out = np.empty(n, _F32)
+    tmp = np.empty(min(step, n), _F32)
     sq = 0.0
     with np.errstate(over="ignore", invalid="ignore"):  # a non-finite sum is the answer
-        for s in range(0, n, CHUNK):
-            e = min(s + CHUNK, n)
+        for s in range(0, n, step):
+            e = min(s + step, n)
             chunk = out[s:e]
-            chunk[...] = src[s:e]  # converts bfloat16 to float32
+            fill(s, e, chunk)
             chunk += b[s:e]
             if g is not None:
                 diff = np.subtract(g[s:e], chunk, out=tmp[: e - s])
@@ -180,21 +218,11 @@ def decode_add(
 def decode(enc: Encoded) -> np.ndarray:
     """The float32 array of the original shape: a fresh array the caller may modify."""
     n = _checked(enc)
-    if enc.dtype in ("float32", "bfloat16"):
-        flat = _float_payload(enc).astype(np.float32)
-    elif enc.dtype == "int8":
-        q = np.frombuffer(enc.payload, dtype=np.int8)
-        flat = q.astype(np.float32) * np.frombuffer(enc.scales, dtype=_F32)[0]
-    else:
-        packed = np.frombuffer(enc.payload, dtype=np.uint8)
-        nibbles = np.empty(2 * packed.size, dtype=np.uint8)
-        nibbles[0::2] = packed & 0x0F
-        nibbles[1::2] = packed >> 4
-        # Sign-extend the 4-bit two's complement: 0..7 stay, 8..15 become -8..-1.
-        q = (nibbles[:n].astype(np.int8) ^ 8) - 8
-        scales = np.frombuffer(enc.scales, dtype=_F32).astype(np.float32)
-        flat = q.astype(np.float32) * np.repeat(scales, enc.block_size)[:n]
-    return flat.reshape(enc.shape)
+    step, fill = _decoder(enc)
+    out = np.empty(n, _F32)
+    for s in range(0, n, step):
+        fill(s, min(s + step, n), out[s : min(s + step, n)])
+    return out.reshape(enc.shape)
 
 
 def encode_tree(

@@ -44,8 +44,11 @@ def test_two_shards_reproduce_the_one_synchronizer_reference(
     assert ray_run["mean_contributors"] == ref["mean_contributors"] == 2.0
     assert ray_run["bytes_down"] == ref["bytes_down"]
     assert ray_run["ledger_violations"] == [] and ray_run["rejected"] == {}
-    for name, learner in ray_run["learners"].items():
-        assert learner["tokens"] == learner["final_cursor"] == ref["learners"][name]["tokens"]
+    # The ledger is exact: every learner's cursor in the books is the one it stopped at (a
+    # learner may take one step past the budget before the stop reaches it, as on one shard).
+    learners = ray_run["learners"].values()
+    assert all(a["tokens"] == a["final_cursor"] for a in learners), ray_run["learners"]
+    assert ray_run["tokens"] == sum(a["tokens"] for a in learners) >= cfg.token_budget
     for shard in ("synchronizer", "synchronizer-shard1"):  # each shard checkpoints its own
         assert any(p.name.isdigit() for p in (Path(cfg.run_dir) / "checkpoints" / shard).iterdir())
 
@@ -64,7 +67,7 @@ def test_a_killed_shard_stalls_only_its_fragments(ray_local: Any, tmp_path: Path
         tmp_path,
         "kill-shard",
         "diloco.mode=decoupled",
-        "token_budget=30000",
+        "token_budget=60000",
         "pace=step_time",
         "step_time_s=0.05",
         "synchronizer.heartbeat_timeout_s=5",

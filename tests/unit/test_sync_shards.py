@@ -108,7 +108,7 @@ def _status(shard: int, rounds: int, merged: dict[str, int], violations: list[st
         "merged_steps": {"a": 10 * (2 - shard)},
         "registered": {"a": {"incarnation": 0, "versions": {shard: rounds}}},
         "restored": None,
-        "peak_rss_mb": 100.0,
+        "rss_mb": 100.0,
         "tokens": 1000,
     }
 
