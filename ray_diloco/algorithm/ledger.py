@@ -59,9 +59,15 @@ class TokenLedger:
         return self.pool.leave(learner) if learner in self.pool.holders else []
 
     def record_merge(self, close: RoundClose) -> None:
-        for c in close.contributions:
-            acct = self.account(c.meta.learner)
-            acct.merged[close.fragment] = acct.merged.get(close.fragment, 0) + c.num_tokens
+        self.record_merged(
+            close.fragment, [(c.meta.learner, c.num_tokens) for c in close.contributions]
+        )
+
+    def record_merged(self, fragment: int, merged: list[tuple[str, int]]) -> None:
+        """Tokens of each (learner, tokens) contribution a round of `fragment` merged."""
+        for learner, tokens in merged:
+            acct = self.account(learner)
+            acct.merged[fragment] = acct.merged.get(fragment, 0) + tokens
             acct.contributions += 1
 
     def resume_cursor(self, learner: str) -> int:

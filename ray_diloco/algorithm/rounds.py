@@ -91,6 +91,7 @@ class Verdict(enum.StrEnum):
     NON_FINITE = "non_finite"
     NORM_OUTLIER = "norm_outlier"
     MALFORMED = "malformed"
+    RECOVERING = "recovering"  # the fragment's shard is adopting its newest value after a restart
 
 
 @dataclass
@@ -165,6 +166,8 @@ class RoundBook:
         # The learners in the run (the configured ones, joined, not yet left): K never exceeds
         # their number. None: a fixed K, whoever registers.
         self.roster = set(roster) if roster is not None else None
+        # Fragments whose value is being recovered after a restart: no round closes for them.
+        self.held: set[int] = set()
 
     # -- membership (section 7) -------------------------------------------------------------
 
@@ -179,8 +182,11 @@ class RoundBook:
         self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
         if self.roster is not None:
             self.roster.add(learner)
-        for frag in self.fragments.values():  # the new incarnation adopts every one afresh
-            frag.merged.pop(learner, None)
+        if old is None or incarnation != old.incarnation:
+            for frag in self.fragments.values():  # a new incarnation adopts every one afresh
+                frag.merged.pop(learner, None)
+        # (The same incarnation registering again kept training through a synchronizer
+        # restart: its counters still hold the work the restored book says was merged.)
         return self.versions()
 
     def heartbeat(
@@ -286,6 +292,8 @@ class RoundBook:
         # (the supervisor restarts it), which matters however stale the contribution is.
         if not finite or (norm is not None and norm != norm):
             return Verdict.NON_FINITE
+        if meta.fragment in self.held:
+            return Verdict.RECOVERING
         frag = self.fragments[meta.fragment]
         if meta.base_version > frag.version:
             return Verdict.FUTURE_VERSION
@@ -322,7 +330,7 @@ class RoundBook:
         live = self.live(now)
         closes = []
         for p, frag in self.fragments.items():
-            if frag.merging or frag.quorum_s is None:
+            if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
             everyone_in = live <= frag.pending.keys()
             if everyone_in or now >= frag.quorum_s + frag.grace_s:
@@ -333,8 +341,8 @@ class RoundBook:
         """The earliest time a grace window expires: when the caller should poll next."""
         deadlines = [
             f.quorum_s + f.grace_s
-            for f in self.fragments.values()
-            if f.quorum_s is not None and not f.merging
+            for p, f in self.fragments.items()
+            if f.quorum_s is not None and not f.merging and p not in self.held
         ]
         return min(deadlines, default=None)
 
@@ -403,6 +411,14 @@ class RoundBook:
         if frag.pending and frag.opened_s is None:
             frag.opened_s = close.opened_s
         self._maybe_reach_quorum(frag, now)
+
+    def replay(self, fragment: int, version: int, merged: dict[str, tuple[int, int, int]]) -> None:
+        """A round committed before a restart (from the round log): the fragment is at
+        `version` and `merged` holds each contributor's (base version, steps, tokens), so a
+        re-offer of work that round merged is not counted twice."""
+        frag = self.fragments[fragment]
+        frag.version = version
+        frag.merged.update(merged)
 
     # -- checkpointing ----------------------------------------------------------------------
 
