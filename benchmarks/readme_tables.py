@@ -175,6 +175,23 @@ def bandwidth_sim(data: dict[str, Any]) -> str:
     return markdown_table(rows, list(rows[0]))
 
 
+def scavenging(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "system": r["mode"].replace("_", "-"),
+            "extra compute": f"+{r['extra_compute_pct']}%",
+            "temporary learners": r["temporary_learners"],
+            "time to target": _num(r["time_to_target_s"], 2),
+            "relative": _num(r["relative_time"], 2),
+            "published": f"{r['published']:.2f}",
+            "final loss": _num(r["final_loss"]),
+            "ledger exact": "yes" if r["ledger_violations"] == 0 else "no",
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
     "goodput": goodput,
@@ -184,6 +201,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "goodput_sim": goodput_sim,
     "goodput_sim_slow_repair": goodput_sim,
     "bandwidth_sim": bandwidth_sim,
+    "scavenging": scavenging,
 }
 
 

@@ -16,6 +16,7 @@ or a notebook cell) travels inside the config by value, as Ray ships remote func
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -105,13 +106,16 @@ class Trainer:
         self.config = build_config(tree, "ray_diloco.Trainer")
 
     def fit(self, address: str | None = None, progress: bool = True) -> Result:
-        """Train on Ray to the token budget (`ray_diloco.driver.run_training`)."""
-        from ray_diloco.driver import print_progress, run_training
+        """Train on Ray to the token budget (`ray_diloco.driver.run_training`); `progress`
+        shows the live display (plain lines when stdout is not a terminal)."""
+        from ray_diloco.display import progress_display, run_title
+        from ray_diloco.driver import run_training
 
-        summary = run_training(
-            self.config, address=address, progress=print_progress if progress else _quiet
-        )
-        return Result(summary, Path(self.config.run_dir).absolute(), self.config)
+        cfg = self.config
+        display = progress_display(run_title(cfg)) if progress else contextlib.nullcontext()
+        with display as show:
+            summary = run_training(cfg, address=address, progress=show)
+        return Result(summary, Path(cfg.run_dir).absolute(), cfg)
 
     def simulate(self, progress: bool = False) -> Result:
         """The in-process reference run of the same config on a virtual clock (no Ray)."""
@@ -149,7 +153,3 @@ def simulate(
     """`Trainer(task, config, ...).simulate()`."""
     progress = kwargs.pop("progress", False)
     return Trainer(task, config, **kwargs).simulate(progress=progress)
-
-
-def _quiet(line: str) -> None:
-    pass

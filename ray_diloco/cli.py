@@ -2,11 +2,16 @@
 
   ray-diloco train --config jobs/local.yaml [--set a.b=c ...]       run on Ray (embedded or
                                                                        RAY_ADDRESS)
+  ray-diloco report RUN_DIR                                         report.html and pictures
+                                                                       of a run, finished or not
   ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
   ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
   ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
   ray-diloco scale RUN_DIR --add 'name=x,...' | --remove NAME       learners join/leave a run
   ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
+  ray-diloco plan --config jobs/cluster-gke.yaml [--cluster FILE ...] dry run on a real cluster:
+                                                                       placement, link loads,
+                                                                       problems (exit 1 if any)
 
 Printing to the terminal happens here (and in the progress display) only.
 """
@@ -14,6 +19,8 @@ Printing to the terminal happens here (and in the progress display) only.
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -52,41 +59,72 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ray_diloco.display import progress_display, run_title
     from ray_diloco.driver import run_training
 
     cfg = load_config(args.config, args.overrides)
-    summary = run_training(cfg, address=args.address, stop_synchronizer=not args.keep_synchronizer)
+    with progress_display(run_title(cfg), args.print_every) as show:
+        summary = run_training(
+            cfg,
+            address=args.address,
+            stop_synchronizer=not args.keep_synchronizer,
+            progress=show,
+            dashboard=args.dashboard,
+        )
     print(summary_table(summary))
-    print(f"wrote {Path(cfg.run_dir).resolve() / 'summary.json'}")
+    run_dir = Path(cfg.run_dir).resolve()
+    print(f"wrote {run_dir / 'summary.json'} and the run report {run_dir / 'report.html'}")
     return 0 if summary.get("tokens", 0) >= cfg.token_budget else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ray_diloco.cluster import files, plan
+
+    cfg = load_config(args.config, args.overrides)  # nothing is written: a dry run
+    paths = args.cluster or list(cfg.cluster.files)
+    if not paths:
+        raise ConfigError("no cluster file: pass --cluster FILE or set cluster.files in the job")
+    cluster = files.read_cluster_files(paths)
+    # The fragment plan evaluates parameter shapes only; never let JAX open an accelerator.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from ray_diloco.algorithm.setup import fragment_plan
+
+    result = plan.make_plan(cfg, cluster, fragment_plan(cfg).sizes)
+    print(plan.render(result))
+    return 1 if result.problems else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ray_diloco.run_report import ReportError, write_report
+
+    try:
+        path = write_report(args.run_dir)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path.resolve()}")
+    return 0
+
+
+# Subcommands with arguments of their own, each a `main(argv) -> exit code` that raises
+# ValueError (ConfigError included) for bad input.
+OWN_PARSERS = {
+    "simulate-goodput": "ray_diloco.sim.goodput_cli:simulate_goodput_main",
+    "simulate-bandwidth": "ray_diloco.sim.bandwidth_cli:simulate_bandwidth_main",
+    "prepare-data": "ray_diloco.tasks.prepare:main",
+    "scale": "ray_diloco.scale:main",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "simulate-goodput":
-        from ray_diloco.sim.goodput_cli import simulate_goodput_main
-
-        return simulate_goodput_main(argv[1:])
-    if argv and argv[0] == "scale":
-        from ray_diloco.scale import main as scale_main
-
+    if argv and argv[0] in OWN_PARSERS:
+        module, _, function = OWN_PARSERS[argv[0]].partition(":")
         try:
-            return scale_main(argv[1:])
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    if argv and argv[0] == "prepare-data":
-        from ray_diloco.tasks.prepare import main as prepare_main
-
-        try:
-            return prepare_main(argv[1:])
+            return int(getattr(importlib.import_module(module), function)(argv[1:]))
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    if argv and argv[0] == "simulate-bandwidth":
-        from ray_diloco.sim.bandwidth_cli import simulate_bandwidth_main
-
-        return simulate_bandwidth_main(argv[1:])
     parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
@@ -101,18 +139,55 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the detached synchronizer running after the run",
     )
+    train.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the Ray dashboard with the embedded local Ray (default: on)",
+    )
+    train.add_argument(
+        "--print-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="when stdout is not a terminal: one progress line every SECONDS (default 10)",
+    )
+    report = sub.add_parser("report", help="write report.html and pictures of a run dir")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a train run")
+    report.add_argument("--log-level", default="WARNING")
     simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
     _add_config_args(simulate)
     sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
     sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
     sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
     sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
+    plan = sub.add_parser(
+        "plan", help="dry run on a real cluster: placement, link loads, problems; starts nothing"
+    )
+    _add_config_args(plan)
+    plan.add_argument(
+        "--cluster",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="cluster file (`ray up` YAML or KubeRay manifest), repeatable; "
+        "default: the job's cluster.files",
+    )
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    commands = {
+        "train": cmd_train,
+        "simulate": cmd_simulate,
+        "plan": cmd_plan,
+        "report": cmd_report,
+    }
     try:
-        return {"train": cmd_train, "simulate": cmd_simulate}[args.command](args)
+        return commands[args.command](args)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        message = str(err)
+        if args.command == "plan":  # one line, whatever the validation found
+            message = "; ".join(line.strip() for line in message.splitlines())
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ray_diloco.cluster import slices
+
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the field and the fix."""
@@ -93,6 +95,31 @@ class LearnerGroupConfig(_Frozen):
     jitter: float = Field(0.0, ge=0, lt=1, description="relative per-step time noise (std)")
     cpus_per_host: float = Field(1.0, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tpu_hosts(cls, data: Any) -> Any:
+        """A TPU learner's hosts come from its slice shape (cluster/slices.py): `num_hosts`
+        may be left out when the topology has one shape, and must be given (and fit) when
+        it has two (v6e 2x4: one 8-chip host or two 4-chip hosts)."""
+        if not isinstance(data, dict):
+            return data
+        accel, topology = data.get("accelerator"), data.get("topology")
+        if not (isinstance(accel, str) and accel.startswith("tpu") and isinstance(topology, str)):
+            return data
+        hosts = data.get("num_hosts")
+        try:
+            shape = slices.resolve(accel, topology, hosts if isinstance(hosts, int) else None)
+        except slices.UnknownShape as err:
+            raise ValueError(f"learner {data.get('name')!r}: {err}") from None
+        return {**data, "topology": shape.topology, "num_hosts": shape.num_hosts}
+
+    @property
+    def slice_shape(self) -> slices.SliceShape | None:
+        """The TPU slice this learner runs on (None for CPU and GPU learners)."""
+        if not self.accelerator.startswith("tpu") or self.topology is None:
+            return None
+        return slices.resolve(self.accelerator, self.topology, self.num_hosts)
+
     @model_validator(mode="after")
     def _check(self) -> LearnerGroupConfig:
         if self.batch_size <= 0:
@@ -134,10 +161,21 @@ class ShardPlacement(_Frozen):
         return bool(self.num_cpus or self.resources or self.labels)
 
 
+class ClusterConfig(_Frozen):
+    """The real cluster a job runs on, for `ray-diloco plan` (training itself ignores it)."""
+
+    files: tuple[str, ...] = Field(
+        (), description="cluster files: `ray up` YAMLs or KubeRay manifests, relative to cwd"
+    )
+    # The real network between a region and the synchronizer's region, as you expect it: the
+    # plan checks each region's traffic against it. Unlike `links` nothing is emulated.
+    links: dict[str, LinkConfig] = Field(default_factory=dict)
+
+
 class SynchronizerConfig(_Frozen):
     name: str = "synchronizer"
     namespace: str = "ray_diloco"
-    region: str = "local"
+    region: str = Field("local", description="the head's region (the synchronizer runs there)")
     checkpoint_every_rounds: int = Field(48, ge=1)
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     step_time_ema: float = Field(0.2, gt=0, le=1)
@@ -432,6 +470,7 @@ class RunConfig(_Frozen):
         default_factory=lambda: tuple(LearnerGroupConfig(name=f"learner-{i}") for i in range(4))
     )
     links: dict[str, LinkConfig] = Field(default_factory=dict)
+    cluster: ClusterConfig = ClusterConfig()
     synchronizer: SynchronizerConfig = SynchronizerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     chaos: ChaosConfig = ChaosConfig()
@@ -496,12 +535,21 @@ class RunConfig(_Frozen):
                     f"chaos.schedule: kill_synchronizer target {fault.target!r} is not a shard; "
                     f"use a shard index 0..{shards - 1} or leave it empty (shard 0)"
                 )
-        for region in self.links:
-            if region not in {lg.region for lg in self.learners}:
-                raise ValueError(
-                    f"links.{region}: no learner is in region {region!r}; "
-                    f"known regions: {sorted({lg.region for lg in self.learners})}"
-                )
+        joiners = [c.join for c in self.elastic.schedule if c.join is not None]
+        everyone = (*self.learners, *joiners, *self.elastic.templates)
+        regions = sorted({lg.region for lg in everyone})
+        for section, table in (("links", self.links), ("cluster.links", self.cluster.links)):
+            for region in table:
+                if region not in regions:
+                    raise ValueError(
+                        f"{section}.{region}: no learner is in region {region!r}; "
+                        f"known regions: {regions}"
+                    )
+        for region in self.links.keys() & self.cluster.links.keys():
+            raise ValueError(
+                f"links.{region} emulates a WAN on top of the network and cluster.links."
+                f"{region} declares the real one; keep one of them"
+            )
         return self
 
     @property

@@ -5,11 +5,13 @@ run), writes `run_dir/config.json`, gets or creates the named detached synchroni
 shard of it, actors/sync_shards.py) and creates
 the run's supervisor (actors/supervisor.py), which starts, watches and restarts the learner
 groups, injects chaos and records the event tape `events.jsonl`. The driver then only watches:
-every `metrics.log_every_s` it reads both statuses, prints a progress line (tokens, loss,
-rounds, goodput, uptime, restarts, recovery times) and appends it to `metrics.jsonl`. At the
-token budget it has the supervisor stop the learners, evaluates the global parameters once
-more, writes `summary.json`, shuts the supervisor down (learners killed, placement groups
-released) and (unless told to keep it) the synchronizer. The driver computes nothing:
+every `metrics.log_every_s` it reads both statuses, makes a progress point of them
+(`progress.py`: tokens, rates, ETA, loss, rounds, goodput, uptime, every learner's state),
+appends it to `metrics.jsonl` and hands it to its `progress` callback (the CLI's display; the
+library prints nothing). At the token budget it has the supervisor stop the learners, evaluates
+the global parameters once more, writes `summary.json`, shuts the supervisor down (learners
+killed, placement groups released) and (unless told to keep it) the synchronizer, and writes
+the run report (`report.html` and its pictures, `run_report.py`). The driver computes nothing:
 everything that computes runs in the actors, except `check_task`, one training step of the
 task before any actor starts (after Ray, as JAX must start after Ray's processes fork).
 """
@@ -34,7 +36,9 @@ from ray_diloco.actors.synchronizer import config_digest, create_synchronizer
 from ray_diloco.config import ConfigError, RunConfig, dump_config
 from ray_diloco.control.events import Event, RunStarted
 from ray_diloco.control.tape import read_tape
-from ray_diloco.report import progress_line, write_json
+from ray_diloco.progress import ProgressTracker
+from ray_diloco.report import write_json
+from ray_diloco.run_report import REPORT_FILES, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +46,26 @@ EMBEDDED_OBJECT_STORE_BYTES = 300 * 10**6
 SCALE_HEADROOM_CPUS = 2  # an embedded Ray's room for learners added to the running job
 SYNC_START_TIMEOUT_S = 600.0  # building data and parameters on a busy laptop
 STOP_TIMEOUT_S = 60.0
-RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl")
+RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl", *REPORT_FILES)
 NO_EVENTS = 2**62  # a journal sequence number beyond any: status without the event list
 
-Progress = Callable[[str], None]
+Progress = Callable[[dict[str, Any]], None]
 StopWhen = Callable[[dict[str, Any]], str | None]
-
-
-def print_progress(line: str) -> None:
-    print(line, flush=True)  # the CLI's live display; the only print of the library
 
 
 def run_training(
     cfg: RunConfig,
     address: str | None = None,
     stop_synchronizer: bool = True,
-    progress: Progress = print_progress,
+    progress: Progress | None = None,
     stop_when: StopWhen | None = None,
+    dashboard: bool = False,
 ) -> dict[str, Any]:
     """Train `cfg` on Ray to its token budget; returns the summary (also in summary.json).
-    `stop_when(supervisor_status)` may end the run earlier by returning a reason (benchmarks
-    stop once their faults played out)."""
-    embedded = _connect(cfg, address)
+    `progress(point)` gets every progress point (`progress.py`); `stop_when(supervisor_status)`
+    may end the run earlier by returning a reason (benchmarks stop once their faults played
+    out); `dashboard` starts the Ray dashboard with an embedded local Ray."""
+    embedded, dashboard_url = _connect(cfg, address, dashboard)
     try:
         # Before any actor starts: a task that cannot be built, fragmented or trained ends
         # the run here with one error line (JAX in the driver, after Ray has started).
@@ -73,35 +75,46 @@ def run_training(
         run_dir, elapsed_s = _prepare_run_dir(cfg)
         cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd
         dump_config(cfg, run_dir / "config.json")
-        run = _Run(cfg, progress, stop_when, elapsed_s)
+        run = _Run(cfg, progress or _quiet, stop_when, elapsed_s, dashboard_url)
         return run.execute(stop_synchronizer or embedded)
     finally:
         if embedded:
             ray.shutdown()
 
 
-def _connect(cfg: RunConfig, address: str | None) -> bool:
-    """Connect to Ray; returns True when an embedded local Ray was started here."""
+def _quiet(point: dict[str, Any]) -> None:
+    pass
+
+
+def _connect(cfg: RunConfig, address: str | None, dashboard: bool) -> tuple[bool, str | None]:
+    """Connect to Ray; returns whether an embedded local Ray was started here, and the
+    address of the Ray dashboard if there is one."""
     if ray.is_initialized():
-        return False
+        return False, None
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("connecting to Ray at %s", address)
-        ray.init(address=address, namespace=cfg.synchronizer.namespace)
-        return False
+        context = ray.init(address=address, namespace=cfg.synchronizer.namespace)
+        return False, _url(context.dashboard_url)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     joins = [c.join for c in cfg.elastic.schedule if c.join is not None]
     cpus = sum(max(1, round(lg.cpus_per_host)) * lg.num_hosts for lg in (*cfg.learners, *joins))
     cpus += 1 + SCALE_HEADROOM_CPUS  # the synchronizer's side, and room to `ray-diloco scale`
     logger.info("starting an embedded local Ray with %d CPUs", cpus)
-    ray.init(
+    context = ray.init(
         address="local",  # never a stale cluster from /tmp/ray/ray_current_cluster
         num_cpus=cpus,
         object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
-        include_dashboard=False,
+        include_dashboard=dashboard,
         namespace=cfg.synchronizer.namespace,
     )
-    return True
+    return True, _url(context.dashboard_url) if dashboard else None
+
+
+def _url(address: str | None) -> str | None:
+    if not address:
+        return None
+    return address if "://" in address else f"http://{address}"
 
 
 def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, float]:
@@ -150,7 +163,12 @@ def _synchronizer_alive(cfg: RunConfig) -> bool:
 
 class _Run:
     def __init__(
-        self, cfg: RunConfig, progress: Progress, stop_when: StopWhen | None, elapsed_s: float
+        self,
+        cfg: RunConfig,
+        progress: Progress,
+        stop_when: StopWhen | None,
+        elapsed_s: float,
+        dashboard_url: str | None,
     ) -> None:
         self.cfg, self.progress, self.stop_when = cfg, progress, stop_when
         self.run_dir = Path(cfg.run_dir)
@@ -161,7 +179,8 @@ class _Run:
         self.sync: ShardSet | None = None
         self.sup: Any = None
         self.done = False
-        self.rates: dict[str, tuple[float, int]] = {}  # learner -> (time, step) last seen
+        regions = {lg.name: lg.region for lg in cfg.learners}
+        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url)
 
     def execute(self, stop_synchronizer: bool) -> dict[str, Any]:
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -180,6 +199,7 @@ class _Run:
             return self._finish(self._watch())
         finally:
             self._teardown(stop_synchronizer)
+            self._report()
 
     def _t(self) -> float:
         return time.time() - self.t0
@@ -222,37 +242,24 @@ class _Run:
                 return why
 
     def _poll(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The synchronizer's and the supervisor's status; one progress line from both."""
+        """The synchronizer's and the supervisor's status; one progress point from both."""
         assert self.sync is not None
         st = self.sync.status(NO_EVENTS, 120)
         sup: dict[str, Any] = ray.get(self.sup.status.remote(), timeout=120)
-        point = self._point(st, sup)
-        self.progress(progress_line(point, self.cfg.token_budget))
+        point = self.tracker.point(self._t(), st, sup)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(point) + "\n")
+        self.progress(point)
         return st, sup
 
-    def _point(self, st: dict[str, Any], sup: dict[str, Any]) -> dict[str, Any]:
-        t = self._t()
-        rates = {}
-        for name, ls in st["learners"].items():
-            t_prev, step_prev = self.rates.get(name, (self.t0, 0))
-            rates[name] = (ls["step"] - step_prev) / max(1e-9, time.time() - t_prev)
-            self.rates[name] = (time.time(), ls["step"])
-        return {
-            "t": t,
-            "tokens": st["tokens"],
-            "tokens_per_s": st["tokens"] / max(t, 1e-9),
-            "heldout_loss": st["heldout_loss"],
-            "rounds": st["rounds"],
-            "contributors": st["mean_contributors"],
-            "live": len(st["live"]),
-            "goodput": sup["goodput"],
-            "uptime": sup["uptime"],
-            "restarts": {n: ls["restarts"] for n, ls in sup.get("learners", {}).items()},
-            "recovery": {kind: r["recovery_s_median"] for kind, r in sup["recovery"].items()},
-            "step_rates": rates,
-        }
+    def _report(self) -> None:
+        """The run report, finished or not (an interrupted run's is worth reading too)."""
+        try:
+            path = write_report(self.run_dir)
+        except Exception:  # the run's own files are written: a failed picture must not hide it
+            logger.exception("writing the run report of %s", self.run_dir)
+        else:
+            logger.info("run report: %s", path)
 
     def _finish(self, reason: str) -> dict[str, Any]:
         """Stop the learners (through the supervisor), evaluate once more, write the summary."""

@@ -21,12 +21,33 @@ def human(n: float) -> str:
     return f"{n:.3g}"
 
 
+def duration(seconds: float) -> str:
+    """75 -> '1:15', 3725 -> '1:02:05' (elapsed times, ETAs)."""
+    s = max(0, round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+# How the displays name a learner's state: the words an operator uses.
+STATE_WORDS = {"blocked": "waiting", "dead": "down", "gave_up": "gave up"}
+
+
+def state_word(state: str) -> str:
+    return STATE_WORDS.get(state, state)
+
+
 def progress_line(point: Mapping[str, Any], budget: int) -> str:
-    parts = [f"tokens {human(point['tokens'])}/{human(budget)}"]
+    """One plain line of a progress point (a Ray run's or a reference run's)."""
+    parts = []
     if "t" in point:
-        parts.append(f"t={point['t']:.1f}s")
+        parts.append(f"t={duration(point['t'])}")
+    if budget:
+        parts.append(f"{min(100, 100 * point['tokens'] / budget):.0f}%")
+    parts.append(f"tokens {human(point['tokens'])}/{human(budget)}")
     if point.get("tokens_per_s"):
         parts.append(f"{human(point['tokens_per_s'])} tok/s")
+    if point.get("eta_s") is not None:
+        parts.append(f"ETA {duration(point['eta_s'])}")
     if point.get("heldout_loss") is not None:
         parts.append(f"heldout {point['heldout_loss']:.4f}")
     if "rounds" in point:
@@ -37,6 +58,8 @@ def progress_line(point: Mapping[str, Any], budget: int) -> str:
         parts.append(f"goodput {point['goodput']:.3f}")
     if point.get("uptime") is not None:
         parts.append(f"uptime {point['uptime']:.3f}")
+    if point.get("learners"):
+        parts.append("learners " + learner_states(point["learners"]))
     restarts = {k: v for k, v in (point.get("restarts") or {}).items() if v}
     if restarts:
         parts.append("restarts " + " ".join(f"{k}:{v}" for k, v in sorted(restarts.items())))
@@ -44,10 +67,20 @@ def progress_line(point: Mapping[str, Any], budget: int) -> str:
     if recovery:
         shown = " ".join(f"{k}:{v:.1f}s" for k, v in sorted(recovery.items()))
         parts.append(f"recovered in [{shown}]")
-    if point.get("step_rates"):
-        rates = " ".join(f"{k}:{v:.1f}" for k, v in sorted(point["step_rates"].items()))
-        parts.append(f"steps/s [{rates}]")
     return "  ".join(parts)
+
+
+def learner_states(learners: Mapping[str, Mapping[str, Any]]) -> str:
+    """'training 3, down 1 (eu-0)': how many learners are in each state, naming those that
+    are not training."""
+    by_state: dict[str, list[str]] = {}
+    for name, ls in sorted(learners.items()):
+        by_state.setdefault(ls["state"], []).append(name)
+    parts = []
+    for state, names in sorted(by_state.items(), key=lambda kv: (kv[0] != "training", kv[0])):
+        named = "" if state == "training" else f" ({', '.join(names)})"
+        parts.append(f"{state_word(state)} {len(names)}{named}")
+    return ", ".join(parts)
 
 
 def machine() -> str:

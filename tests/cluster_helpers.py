@@ -88,8 +88,10 @@ def add_tpu_host(
     *,
     chips: int = 4,
     num_cpus: int = 1,
+    wait: bool = True,
 ) -> Any:
-    """Add one emulated TPU host (a Ray node) of slice `slice_name` in `region`."""
+    """Add one emulated TPU host (a Ray node) of slice `slice_name` in `region`; `wait=False`
+    returns once its processes are started (wait for them with `cluster.wait_for_nodes()`)."""
     env = {
         "TPU_ACCELERATOR_TYPE": pod_type,
         "TPU_NAME": slice_name,
@@ -99,6 +101,7 @@ def add_tpu_host(
     }
     with _env(env):
         return cluster.add_node(
+            wait=wait,
             num_cpus=num_cpus,
             resources={"TPU": chips},
             object_store_memory=HOST_OBJECT_STORE_BYTES,
@@ -203,3 +206,49 @@ def node_labels(node_id: str) -> dict[str, str]:
         if node["NodeID"] == node_id:
             return dict(node.get("Labels") or {})
     raise KeyError(f"node {node_id} not in ray.nodes()")
+
+
+def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) -> Any:
+    """A local cluster emulating the Ray cluster of `spec` (a `ClusterSpec` read from cluster
+    files by `ray_diloco.cluster.files`): a CPU-only head labelled with the head's region, and
+    every host of every slice the files allow (`max_slices` of each pool), each an emulated TPU
+    host with the pool's pod type, topology, chips per host and region. Slice k of pool i is
+    named `pool{i}-slice{k}`. Connected to; shut down with `ray.shutdown(); cluster.shutdown()`."""
+    prepare_ray_env()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    (head,) = spec.heads
+    with _env({"RAY_NODE_REGION": head.region}):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "object_store_memory": 100 * 2**20,
+            },
+        )
+    try:
+        for i, pool in enumerate(spec.pools):
+            shape = pool.shape
+            for k in range(pool.max_slices):
+                for worker_id in range(shape.num_hosts):
+                    add_tpu_host(
+                        cluster,
+                        f"pool{i}-slice{k}",
+                        shape.pod_type,
+                        shape.topology,
+                        worker_id,
+                        pool.region,
+                        chips=shape.chips_per_host,
+                        num_cpus=cpus_per_host,
+                        wait=False,  # the hosts start side by side
+                    )
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace=namespace)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster

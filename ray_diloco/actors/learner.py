@@ -68,10 +68,16 @@ class LearnerHost:
         self.error: str | None = None
         self.counts = collections.Counter[str]()
         self.loss: float | None = None
-        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0)
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0, cfg.name)
         self._thread: threading.Thread | None = None
         self.faults = HostFaults()  # chaos hooks: straggler, corrupted contributions
         self.channel: SyncChannel | None = None  # host 0's, once its loop runs
+
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        return (
+            f"LearnerHost({self.name} host {self.host_index}/{self.num_hosts} "
+            f"incarnation {self.incarnation}, {self.lg.region})"
+        )
 
     # -- methods (all return at once) --------------------------------------------------------
 
@@ -257,6 +263,7 @@ class LearnerHost:
                 channel.offer(offers)
                 self.metrics.tokens(self.name, core.tokens_per_step)
                 self.metrics.step_time(self.name, step_time)
+                self.metrics.training_loss(self.name, self.loss)
             if not self._step_boundary(core, link, channel):
                 if self._leaving and channel is not None:
                     channel.farewell(core, self.loss)

@@ -8,7 +8,6 @@ joins and leaves out on its control loop.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -46,18 +45,21 @@ class Scavenger:
     def __init__(self, cfg: RunConfig, found: Found, taken: Callable[[str], bool]) -> None:
         self.cfg, self.found, self.taken = cfg, found, taken
         self._stop = threading.Event()
-        self._numbers = {t.name: itertools.count() for t in cfg.elastic.templates}
+        self._numbers = {t.name: 0 for t in cfg.elastic.templates}  # the next to try
         self._thread = threading.Thread(target=self._run, name="scavenger", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
+        """Stop, and wait for a probe in flight: a placement group left pending by a probe
+        would grab the next free node long after the run (it belongs to the job)."""
         self._stop.set()
+        self._thread.join(timeout=10 * PROBE_TIMEOUT_S)
 
     def _name(self, template: LearnerGroupConfig) -> str:
-        while True:
-            name = f"{template.name}-{next(self._numbers[template.name])}"
-            if not self.taken(name):
-                return name
+        """The template's next free name; a number is used up only by a learner that joined."""
+        while self.taken(name := f"{template.name}-{self._numbers[template.name]}"):
+            self._numbers[template.name] += 1
+        return name
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.elastic.scavenge_interval_s):

@@ -13,7 +13,6 @@ calls these functions, and `release` undoes them.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray.util.tpu import SlicePlacementGroup, get_tpu_worker_resources
 
 from ray_diloco.actors.errors import PlacementTimeoutError
+from ray_diloco.cluster.slices import SliceShape
 from ray_diloco.config import LearnerGroupConfig
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,7 @@ WORKER_ID_LABEL = "ray.io/tpu-worker-id"
 TOPOLOGY_LABEL = "ray.io/tpu-topology"
 ACCELERATOR_LABEL = "ray.io/accelerator-type"
 HEAD_RESOURCE = "node:__internal_head__"
-_TPU_VERSIONS = {"tpu-v5p": "v5p", "tpu-v6e": "v6e"}
-# v6e/v5e 2x4 is one 8-chip VM or two 4-chip VMs; Ray cannot tell, we default to the
-# multi-host shape (GKE ct6e-standard-4t, and what the emulated test cluster has).
-_AMBIGUOUS_TOPOLOGIES = {("v6e", "2x4"): 4}
+TPU_RESOURCE = "TPU"
 
 
 @dataclass
@@ -62,7 +59,7 @@ class LearnerPlacement:
 
     @property
     def num_hosts(self) -> int:
-        """Hosts actually reserved; for TPUs derived from the topology, not `lg.num_hosts`."""
+        """Hosts actually reserved (for TPUs: the slice shape's hosts, which is `lg.num_hosts`)."""
         return len(self.host_options_list)
 
 
@@ -86,8 +83,8 @@ def reserve_learner_group(
     lifetime = "detached" if detached else None
     deadline = time.monotonic() + timeout_s
     logger.info("reserving learner %s (%s %s)", lg.name, lg.accelerator, lg.topology or "")
-    if lg.accelerator in _TPU_VERSIONS:
-        return _reserve_tpu(lg, name, lifetime, deadline, timeout_s, emulated)
+    if lg.slice_shape is not None:
+        return _reserve_tpu(lg, lg.slice_shape, name, lifetime, deadline, timeout_s, emulated)
     return _reserve_plain(lg, name, lifetime, deadline, timeout_s)
 
 
@@ -168,19 +165,18 @@ def _reserve_plain(
 
 def _reserve_tpu(
     lg: LearnerGroupConfig,
+    shape: SliceShape,
     name: str,
     lifetime: str | None,
     deadline: float,
     timeout_s: float,
     emulated: bool,
 ) -> LearnerPlacement:
-    version = _TPU_VERSIONS[lg.accelerator]
-    topology = (lg.topology or "").strip().lower()
-    chips_per_vm = _chips_per_vm(lg, version, topology)
+    # The slice shape (cluster/slices.py) says how many hosts of how many chips; Ray computes
+    # the bundles from it, so both agree (tests/unit/test_slices.py checks every shape).
+    version, topology, chips_per_vm = shape.version, shape.topology, shape.chips_per_host
     cpus = {"CPU": lg.cpus_per_host}
     n, bundle = get_tpu_worker_resources(topology, version, cpus, chips_per_vm=chips_per_vm)
-    if n != lg.num_hosts:
-        logger.info("learner %s: its %s slice has %d hosts", lg.name, topology, n)
     spec: dict[str, Any] = {
         "topology": topology,
         "accelerator_version": version,
@@ -194,11 +190,13 @@ def _reserve_tpu(
     base = [{WORKER_ID_LABEL: str(i)} if n > 1 else {} for i in range(n)]
     if lg.region != LOCAL_REGION:
         base = [{**sel, REGION_LABEL: lg.region} for sel in base]
-    # Ray's head reservation ignores our selectors, so with a region and several hosts we pick
-    # the slice ourselves (named slices skip the head step); PG creation stays all-or-nothing.
-    pick_slice = lg.region != LOCAL_REGION and n > 1
+    # Ray's head reservation ignores our selectors and the hosts' chip count (v6e 2x4 has two
+    # shapes with the same head resource), so for several hosts we pick an intact slice of
+    # this shape ourselves (named slices skip the head step); PG creation stays all-or-nothing.
+    # A one-host slice needs no head step: its bundle asks for all the chips of one host.
+    pick_slice = n > 1
     while True:
-        candidates = _slices(version, topology, lg.region, n) if pick_slice else [None]
+        candidates = _slices(shape, lg.region) if pick_slice else [None]
         for k, slice_name in enumerate(candidates):
             share = (deadline - time.monotonic()) / (len(candidates) - k)
             sel = [{**s, SLICE_LABEL: slice_name} for s in base] if slice_name else base
@@ -206,16 +204,14 @@ def _reserve_tpu(
             if handle is not None and handle.placement_group is not None:
                 pg = handle.placement_group
                 env = {"JAX_PLATFORMS": "cpu"} if emulated else None
-                chips = {"TPU": float(bundle["TPU"])}
+                chips = {TPU_RESOURCE: float(bundle[TPU_RESOURCE])}
                 opts = tuple(_options(pg, i, bundle, env, chips) for i in range(n))
                 return LearnerPlacement(
                     lg.name, lg.accelerator, lg.region, pg, opts, dict(bundle), handle, slice_name
                 )
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise PlacementTimeoutError(
-                _timeout_message(lg, timeout_s, n, bundle, version, topology)
-            )
+            raise PlacementTimeoutError(_timeout_message(lg, timeout_s, n, bundle, shape))
         time.sleep(min(1.0, remaining))  # no intact slice in the region yet; nodes may join
 
 
@@ -270,39 +266,26 @@ def _options(
     return opts
 
 
-def _chips_per_vm(lg: LearnerGroupConfig, version: str, topology: str) -> int | None:
-    """Chips per host: from `num_hosts` when given (> 1), else Ray's rule, except 2x4 v6e."""
-    total = math.prod(int(d) for d in topology.split("x"))
-    if lg.num_hosts > 1:
-        per_host, rest = divmod(total, lg.num_hosts)
-        if rest or per_host not in (1, 2, 4, 8):
-            raise ValueError(
-                f"learner {lg.name!r}: topology {topology} has {total} chips, which does not "
-                f"split into num_hosts={lg.num_hosts} hosts of 1, 2, 4 or 8 chips; fix num_hosts"
-            )
-        return per_host
-    return _AMBIGUOUS_TOPOLOGIES.get((version, topology))
-
-
 def _alive_nodes() -> list[dict[str, Any]]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
-def _slices(version: str, topology: str, region: str, num_hosts: int) -> list[str]:
-    """Intact slices (all hosts alive) of this generation and topology in `region` (any
-    region for "local"), by node labels."""
-    accel = f"TPU-{version.upper()}"
+def _slices(shape: SliceShape, region: str) -> list[str]:
+    """Intact slices (all hosts alive) of `shape` in `region` (any region for "local"), by
+    node labels and each host's TPU chips."""
+    accel = f"TPU-{shape.version.upper()}"
     hosts: dict[str, int] = {}
     for node in _alive_nodes():
         labels = node.get("Labels") or {}
         if (
             labels.get(ACCELERATOR_LABEL) == accel
-            and labels.get(TOPOLOGY_LABEL) == topology
+            and labels.get(TOPOLOGY_LABEL) == shape.topology
+            and node.get("Resources", {}).get(TPU_RESOURCE) == shape.chips_per_host
             and region in (LOCAL_REGION, labels.get(REGION_LABEL))
             and labels.get(SLICE_LABEL)
         ):
             hosts[labels[SLICE_LABEL]] = hosts.get(labels[SLICE_LABEL], 0) + 1
-    return sorted(s for s, count in hosts.items() if count >= num_hosts)
+    return sorted(s for s, count in hosts.items() if count >= shape.num_hosts)
 
 
 def _timeout_message(
@@ -310,8 +293,7 @@ def _timeout_message(
     timeout_s: float,
     n: int,
     bundle: dict[str, float],
-    version: str | None = None,
-    topology: str | None = None,
+    shape: SliceShape | None = None,
 ) -> str:
     """Say what is missing: hosts that fit the bundle in the region, per resource."""
     local = lg.region == LOCAL_REGION
@@ -332,10 +314,11 @@ def _timeout_message(
     elif not missing:
         missing = [f"{len(fit)} node(s) fit one host when idle, {n} needed; others busy"]
     need = f"{n} host(s) of {bundle}"
-    if version:
-        slices = _slices(version, topology or "", lg.region, n)
+    if shape is not None:
+        intact = _slices(shape, lg.region)
         need = (
-            f"one idle TPU-{version.upper()} {topology} slice ({need}); intact: {slices or 'none'}"
+            f"one idle TPU-{shape.version.upper()} {shape.topology} slice ({need}); "
+            f"intact: {intact or 'none'}"
         )
     available = {k: v for k, v in ray.available_resources().items() if "memory" not in k}
     available = {k: v for k, v in available.items() if not k.startswith("node:")}

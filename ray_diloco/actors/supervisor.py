@@ -61,10 +61,12 @@ from ray_diloco.control.events import (
     RunStarted,
     WorkLost,
 )
+from ray_diloco.control.goodput import compute_goodput
 from ray_diloco.control.recovery import DEGRADE_REASONS, RESTART_REASONS, tape_summary
 from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
 from ray_diloco.control.tape import EventTape
 from ray_diloco.log import setup_logging
+from ray_diloco.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,11 @@ class Supervisor:
         elastic = cfg.elastic
         scavenging = elastic.scavenge and elastic.templates
         self.scavenger = Scavenger(cfg, self._scavenged, self._taken) if scavenging else None
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
+        self._exported_at = -float("inf")
+
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        return f"Supervisor(run={self.cfg.name})"
 
     # -- methods (all return at once) ---------------------------------------------------------
 
@@ -230,10 +237,11 @@ class Supervisor:
 
     def _record(self, event: Event) -> None:
         self.tape.append(event)
+        self.metrics.observe_event(event)
 
     def _record_all(self, events: list[Event]) -> None:
         for e in events:
-            self.tape.append(e)
+            self._record(e)
 
     def _loop(self) -> None:
         interval = self.cfg.supervisor.poll_interval_s
@@ -282,6 +290,17 @@ class Supervisor:
             training = all(watches[n].state is LearnerState.TRAINING for n in self.control.in_run())
             self.chaos.tick(now, training)
         self._update_snapshot()
+        if now - self._exported_at >= self.cfg.metrics.log_every_s:
+            self._export_metrics(now)
+
+    def _export_metrics(self, now: float) -> None:
+        """Goodput and uptime so far, and which learners are up, as Prometheus gauges."""
+        self._exported_at = now
+        window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
+        report = compute_goodput(self.tape.events, now, window)
+        self.metrics.goodput(report.goodput, report.uptime)
+        for name, watch in self.control.watches.items():
+            self.metrics.learner_up(name, watch.state in _UP)
 
     # -- membership ---------------------------------------------------------------------------
 

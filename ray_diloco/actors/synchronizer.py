@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -40,13 +41,13 @@ import ray
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.journal import Journal
-from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options, region_options
+from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
 from ray_diloco.actors.sync_restore import checkpoint_dir, restore
 from ray_diloco.actors.sync_shards import shard_name
 from ray_diloco.actors.version_mark import VersionMark
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
-from ray_diloco.control.events import ContributionRejected, RoundClosed
+from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
@@ -64,7 +65,9 @@ GATHER_TIMEOUT_S = 60.0  # the other shards' fragments for an evaluation (a dead
 def config_digest(cfg: RunConfig) -> str:
     """Digest of the whole validated config: tells a driver whether an existing synchronizer
     serves its run; the event tape's RunStarted carries it too."""
-    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+    # Sorted keys: the same config written with its task_args in another order is the same run.
+    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
@@ -93,7 +96,7 @@ class Synchronizer:
         self.setup.init = {}  # the core copied its fragments; the rest would only take memory
         self._others: list[Any] | None = None  # the other shards (shard 0 evaluates)
         self.journal = Journal()
-        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics)
+        self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self.hosts: dict[str, list[Any]] = {}
         self.regions = {lg.name: lg.region for lg in cfg.learners}
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
@@ -114,6 +117,10 @@ class Synchronizer:
         self._links = DelayedCalls("publish-links")
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
+
+    def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
+        shard = f", shard={self.shard}" if self.cfg.synchronizer.num_shards > 1 else ""
+        return f"Synchronizer(run={self.cfg.name}{shard})"
 
     # -- control group: membership and progress -----------------------------------------------
 
@@ -271,9 +278,10 @@ class Synchronizer:
         if newest is not None:
             self._publish(meta.fragment, *newest, behind)
         self._wake.set()
-        self.metrics.link_bytes(meta.learner, "up", tree_bytes(delta))
+        region = self.regions.get(meta.learner, LOCAL_REGION)
+        self.metrics.link_bytes(meta.learner, region, "up", tree_bytes(delta))
         if verdict.value != "accepted":
-            self.metrics.contribution_rejected(verdict.value)
+            self.metrics.contribution_rejected(meta.learner, verdict.value)
             with self._lock:
                 self.journal.record(
                     ContributionRejected(
@@ -369,7 +377,9 @@ class Synchronizer:
             closes = self.core.close_due(self._now())
         for close in closes:
             try:
+                started = time.perf_counter()
                 pub = self.core.merge(close)  # outside the lock: offers and reports go on
+                self.metrics.merge_time(time.perf_counter() - started)
             except Exception:
                 logger.exception("merge of fragment %d failed; round put back", close.fragment)
                 with self._lock:
@@ -393,6 +403,8 @@ class Synchronizer:
                         pub.version,
                         len(close.contributions),
                         close.num_tokens,
+                        close.grace_s,
+                        close.closed_s - close.quorum_s,
                         self.shard,
                     )
                 )
@@ -422,7 +434,7 @@ class Synchronizer:
             for host in handles:
                 send = functools.partial(_send, host, fragment, version, ref)
                 self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, "down", nbytes)
+            self.metrics.link_bytes(learner, region, "down", nbytes)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
@@ -433,6 +445,7 @@ class Synchronizer:
             m.staleness(s)
         m.global_version(pub.version)
         m.live_learners(live)
+        m.synchronizer_memory(psutil.Process().memory_info().rss)
 
     def _evaluate_in_background(self) -> None:
         """A periodic evaluation on its own thread: gathering the other shards' fragments
@@ -458,6 +471,7 @@ class Synchronizer:
             loss = self.setup.evaluate(params)
             with self._lock:
                 self.journal.eval_point(tokens, rounds, loss)
+                self.journal.record(HeldoutEvaluated(time.time(), tokens, rounds, loss))
         self.metrics.heldout_loss(loss)
         return loss
 
@@ -504,8 +518,10 @@ def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
 
 
 def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:
-    """Shard `shard`: named, detached and restartable, pinned to the head (or the configured
-    region), or spread over the nodes `synchronizer.placement` selects."""
+    """Shard `shard`: named, detached and restartable, pinned to the head, or spread over the
+    nodes `synchronizer.placement` selects. `synchronizer.region` names the head's region (for
+    the links and `ray-diloco plan`); a region selector alone could put a shard on a TPU host of
+    that region."""
     s = cfg.synchronizer
     where = s.placement
     placement: dict[str, Any]
@@ -515,10 +531,8 @@ def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:
             placement["resources"] = dict(where.resources)
         if where.labels:
             placement["label_selector"] = dict(where.labels)
-    elif s.region == LOCAL_REGION:
-        placement = {"num_cpus": 0, **head_pin_options()}
     else:
-        placement = {"num_cpus": 0, **region_options(s.region)}
+        placement = {"num_cpus": 0, **head_pin_options()}
     return {
         "name": shard_name(cfg, shard),
         "namespace": s.namespace,

@@ -355,7 +355,12 @@ class SynchronizerCore:
         lost: delivered versions no learner could hand back)."""
         r = self.recovering.pop(fragment)
         self.book.held.discard(fragment)
-        adopted, values = r.found or (r.restored, self.values[fragment])
+        if r.found is not None:  # the learners' copy becomes the global value too
+            adopted, values = r.found
+            copy = values
+        else:  # the checkpoint's global value, and the copy the learners were sent of it
+            adopted, values = r.restored, self.values[fragment]
+            copy = self.published[fragment].get(adopted, values)
         for e in r.logged:
             if e.version > adopted:
                 break
@@ -369,10 +374,10 @@ class SynchronizerCore:
             }
             self.book.replay(fragment, e.version, merged)
         self.values[fragment] = values
-        hist = {adopted: values}
+        hist = {adopted: copy}
         top = max(r.delivered, r.newest)
         if top > adopted:
-            hist[top + 1] = values
+            hist[top + 1] = copy
             self.book.replay(fragment, top + 1, {})
         self.published[fragment] = hist
         return adopted, max(0, r.delivered - adopted)

@@ -224,14 +224,30 @@ class ContributionRejected(Event):
 @_register
 @dataclass(frozen=True)
 class RoundClosed(Event):
-    """Round of `fragment` closed and published `version`; uptime counts these."""
+    """Round of `fragment` closed and published `version`; uptime counts these. `grace_s`:
+    the grace window the round allowed after reaching quorum; `waited_s`: how long it
+    actually stayed open after quorum (less when every live learner was in). None on tapes
+    written before they were recorded."""
 
     kind: ClassVar[str] = "round_closed"
     fragment: int
     version: int
     num_contributors: int
     tokens: int
+    grace_s: float | None = None
+    waited_s: float | None = None
     shard: int = 0  # the synchronizer shard that owns the fragment
+
+
+@_register
+@dataclass(frozen=True)
+class HeldoutEvaluated(Event):
+    """The synchronizer evaluated the global parameters: the run's loss curve."""
+
+    kind: ClassVar[str] = "heldout_evaluated"
+    tokens: int
+    rounds: int
+    loss: float
 
 
 @_register

@@ -34,7 +34,12 @@ GROUPS = {
         name="v5p-a", accelerator="tpu-v5p", topology="2x2x2", region="us-east5", batch_size=8
     ),
     "v6e": LearnerGroupConfig(
-        name="v6e-a", accelerator="tpu-v6e", topology="2x4", region="europe-west4", batch_size=8
+        name="v6e-a",
+        accelerator="tpu-v6e",
+        topology="2x4",
+        num_hosts=2,  # the emulated v6e slice is two 4-chip hosts
+        region="europe-west4",
+        batch_size=8,
     ),
 }
 

@@ -4,7 +4,12 @@ node's Prometheus endpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -15,7 +20,8 @@ from ray_diloco.config import RunConfig, load_config
 
 pytestmark = pytest.mark.ray
 
-TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_train.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
 
 
 def tiny(tmp_path: Path, name: str, *overrides: str) -> RunConfig:
@@ -32,8 +38,8 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
     cfg = tiny(tmp_path, "sync", "token_budget=5120")
     from ray_diloco.driver import run_training
 
-    lines: list[str] = []
-    ray_run = run_training(cfg, progress=lines.append)
+    points: list[dict[str, Any]] = []
+    ray_run = run_training(cfg, progress=points.append)
     from ray_diloco.sim.simulate import run_reference
 
     ref = run_reference(cfg)
@@ -50,7 +56,7 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
     run_dir = Path(cfg.run_dir)
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 6
     assert json.loads((run_dir / "config.json").read_text())["diloco"]["mode"] == "synchronous"
-    assert (run_dir / "metrics.jsonl").read_text().count("\n") == len(lines) > 0
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == len(points) > 0
     kinds = {json.loads(ln)["kind"] for ln in (run_dir / "events.jsonl").read_text().splitlines()}
     assert {"run_started", "learner_state_changed", "round_closed", "run_finished"} <= kinds
     assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / "synchronizer").iterdir())
@@ -73,9 +79,9 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
     url = f"http://127.0.0.1:{ray_local.metrics_export_port}/metrics"
     scraped: list[str] = []
 
-    def progress(line: str) -> None:
+    def progress(point: dict[str, Any]) -> None:
         # Scrape while the run is live: an actor's metrics leave the exporter with the actor.
-        if " rounds 0 " not in line and "rounds" in line:
+        if point["rounds"] > 0:
             scraped.append(_scrape(url))
 
     summary = run_training(cfg, progress=progress)
@@ -92,7 +98,7 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
     text = "\n".join(scraped)
     for name in ("ray_diloco_outer_rounds_total", "ray_diloco_link_bytes_total"):
         assert name in text, f"{name} not exported at {url}"
-    assert 'learner="a"' in text
+    assert 'learner="a"' in text and 'run="tiny"' in text
 
 
 @pytest.mark.timeout(200)
@@ -134,6 +140,96 @@ def test_an_interrupted_run_resumes_where_it_stopped(ray_local: Any, tmp_path: P
     for name, acct in summary["learners"].items():
         assert acct["final_cursor"] == acct["tokens"], (name, acct)
         assert acct["seconds"]["starting"] > 0  # the second session's boot is not training
+
+
+@pytest.mark.timeout(600)  # a hang guard: two Ray sessions, slow on a busy machine
+def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Path) -> None:
+    # Head failure: the first session is `ray-diloco train` with an embedded local Ray in a
+    # process of its own, i.e. the driver, the head (GCS, raylet) and every actor. It is killed
+    # with SIGKILL, all of it, after rounds the synchronizer's last checkpoint does not hold:
+    # nothing writes a last checkpoint or closes the tape. A new session on another Ray (this
+    # module's) resumes from the Orbax checkpoint and the version mark in the run dir.
+    import psutil
+    import yaml
+
+    from ray_diloco.actors.version_mark import VersionMark
+    from ray_diloco.control.events import RoundClosed, RunFinished, RunStarted
+    from ray_diloco.control.tape import read_tape
+    from ray_diloco.driver import run_training
+
+    pace = ("pace=step_time", "step_time_s=0.05")
+    cfg = tiny(tmp_path, "headloss", "diloco.mode=decoupled", "token_budget=24000", *pace)
+    job = tmp_path / "headloss.yaml"
+    # Key order kept: the run's config digest (which a resume must match) hashes the config's
+    # JSON as is, task_args' key order included.
+    job.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    ckpt_dir = Path(cfg.run_dir) / "checkpoints" / "synchronizer"
+    mark = VersionMark(ckpt_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    with open(tmp_path / "first-session.log", "w") as log:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(job)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            _wait_for_rounds_past_a_checkpoint(first, ckpt_dir, mark, 400)
+        finally:
+            cluster = [first, *psutil.Process(first.pid).children(recursive=True)]
+            for proc in cluster:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+            _, alive = psutil.wait_procs(cluster, timeout=30)
+    assert not alive, f"processes of the killed cluster still alive: {alive}"
+    published = mark.load()  # every version a learner may have seen
+    assert not (Path(cfg.run_dir) / "summary.json").exists()
+    checkpoint = max(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
+
+    summary = run_training(cfg, progress=lambda line: None, stop_synchronizer=False)
+    import ray
+
+    sync = ray.get_actor(cfg.synchronizer.name, namespace=cfg.synchronizer.namespace)
+    restored = ray.get(sync.status.remote(2**62), timeout=60)["restored"]
+    ray.kill(sync, no_restart=True)
+    # The new synchronizer started from the newest checkpoint and counted the rounds after it.
+    assert restored["rounds"] == checkpoint
+    assert restored["rounds_lost"] == sum(published.values()) - checkpoint >= 2
+    events = read_tape(Path(cfg.run_dir) / "events.jsonl")
+    starts = [i for i, e in enumerate(events) if isinstance(e, RunStarted)]
+    assert len(starts) == 2
+    first_session, second_session = events[: starts[1]], events[starts[1] :]
+    assert not [e for e in first_session if isinstance(e, RunFinished)]  # it never ended
+    assert second_session[0].t >= max(e.t for e in first_session)  # the run clock went on
+    closed = [e for e in events if isinstance(e, RoundClosed)]
+    resumed = [e for e in second_session if isinstance(e, RoundClosed)]
+    for p in range(cfg.diloco.num_fragments):
+        versions = [e.version for e in closed if e.fragment == p]
+        assert versions == sorted(set(versions)), (p, versions)  # monotone, never reused
+        # above every version published before the crash, the tape's or not
+        later = [e.version for e in resumed if e.fragment == p]
+        assert later and min(later) > published.get(p, 0), (p, later, published)
+    assert summary["tokens"] >= 24000 and summary["ledger_violations"] == []
+    assert summary["tokens"] == sum(a["tokens"] for a in summary["learners"].values())
+    for name, acct in summary["learners"].items():
+        assert acct["final_cursor"] == acct["tokens"], (name, acct)
+
+
+def _wait_for_rounds_past_a_checkpoint(
+    proc: subprocess.Popen[bytes], ckpt_dir: Path, mark: Any, timeout_s: float
+) -> None:
+    """Wait until the synchronizer has published two rounds more than its newest complete
+    checkpoint (a directory named by its round count) holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the first session ended before it was killed"
+        steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()]
+        if steps and sum(mark.load().values()) >= max(steps) + 2:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no rounds past a checkpoint in {ckpt_dir} after {timeout_s} s")
 
 
 @pytest.mark.timeout(150)

@@ -92,7 +92,7 @@ def test_max_corpus_bytes_truncates(tmp_path: Path) -> None:
 
 def test_bad_paths_name_the_path_and_the_fix(tmp_path: Path) -> None:
     missing = str(tmp_path / "nothing" / "*.txt")
-    with pytest.raises(ValueError, match=r"matches no file.*data\.paths") as err:
+    with pytest.raises(ValueError, match=r"data\.paths: .*matches no file") as err:
         data.load_corpus(DataConfig(paths=(missing,)))
     assert missing in str(err.value)
     os.symlink(tmp_path / "gone.txt", tmp_path / "dangling.txt")

@@ -44,9 +44,10 @@ def test_version_mark_round_trips_and_tolerates_absence(tmp_path):
     from ray_diloco.actors.version_mark import VersionMark
 
     mark = VersionMark(tmp_path)
-    assert mark.load() == {}
+    assert mark.load() == ({}, [])
     mark.update({0: 3, 1: 5})
-    mark.update({0: 4, 1: 5})
-    assert VersionMark(tmp_path).load()[0] == {0: 4, 1: 5}
+    mark.update({0: 4, 1: 5}, frontier=[64, 128])
+    mark.update(frontier=[128, 128])  # the versions stay as last recorded
+    assert VersionMark(tmp_path).load() == ({0: 4, 1: 5}, [128, 128])
     mark.path.write_text("{not json")
-    assert mark.load() == {}
+    assert mark.load() == ({}, [])

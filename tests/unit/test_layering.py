@@ -1,5 +1,6 @@
-"""The layering rule (design.md): algorithm/ never imports ray; control/ imports neither ray
-nor jax. Checked in a fresh interpreter so other tests' imports cannot hide a violation."""
+"""The layering rule (design.md): algorithm/ never imports ray; control/ and cluster/ import
+neither ray nor jax. Checked in a fresh interpreter so other tests' imports cannot hide a
+violation."""
 
 from __future__ import annotations
 
@@ -71,3 +72,34 @@ def test_pure_packages_do_not_import_ray(package):
     out = _run(_PURE_CHILD, package)
     assert len(out["imported"]) > 1, f"no {package} module could be imported: {out['skipped']}"
     assert _top_level(out["modules"], "ray") == [], out["imported"]
+
+
+def test_cluster_imports_neither_ray_nor_jax():
+    # `ray-diloco plan` must run where neither a Ray cluster nor an accelerator is.
+    out = _run(_PURE_CHILD, "ray_diloco.cluster")
+    assert len(out["imported"]) == 4, out  # the package, slices, files, plan
+    assert _top_level(out["modules"], "ray") == []
+    assert _top_level(out["modules"], "jax") == []
+
+
+WATCHING_MODULES = [
+    "ray_diloco.progress",
+    "ray_diloco.display",
+    "ray_diloco.run_report",
+    "ray_diloco.run_plots",
+    "ray_diloco.grafana",
+    "ray_diloco.metrics",
+]
+
+
+def test_what_watches_a_run_imports_neither_ray_nor_jax():
+    # The report and the displays must work where only the run dir is (a laptop, CI).
+    code = (
+        "import json, sys\n"
+        + "".join(f"import {m}\n" for m in WATCHING_MODULES)
+        + "json.dump({'modules': sorted(sys.modules)}, sys.stdout)\n"
+    )
+    modules = _run(code)["modules"]
+    assert set(WATCHING_MODULES) <= set(modules)
+    assert _top_level(modules, "ray") == []
+    assert _top_level(modules, "jax") == []

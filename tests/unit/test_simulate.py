@@ -168,3 +168,17 @@ def test_failures_strike_on_the_shared_schedule_and_cost_goodput(mode):
     assert times[0] > 0 and times[-1] <= hit["virtual_time_s"]
     assert hit["goodput"] < base["goodput"]
     assert hit["tokens"] >= 12000 and hit["heldout_loss"] == hit["heldout_loss"]
+
+
+def test_plan_link_loads_are_the_reference_runs_byte_rates(decoupled):
+    # `ray-diloco plan` predicts each region's bytes per second at step_time_s; the reference
+    # run moves its bytes on that virtual clock, so its upstream rate is the prediction (up to
+    # the run's ragged end) and its downstream rate stays under the predicted bound.
+    from ray_diloco.algorithm.setup import fragment_plan
+    from ray_diloco.cluster.plan import learner_link_loads
+
+    cfg = tiny("learners.2.speed=0.7", "learners.3.jitter=0.2")
+    (load,) = learner_link_loads(cfg, fragment_plan(cfg).sizes, "local")
+    seconds = decoupled["virtual_time_s"]
+    assert decoupled["bytes_up"] / seconds == pytest.approx(load.up, rel=0.03)
+    assert decoupled["bytes_down"] / seconds <= load.down

@@ -4,8 +4,10 @@ notice) loses its learner gracefully: no restart, no fault, nothing lost, the ot
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,34 +19,47 @@ from ray_diloco.control.tape import read_tape
 from tests.chaos.chaos_helpers import chaos_tree, training_uptime
 from tests.cluster_helpers import add_cpu_host
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 SPARE_REGION = "asia-east1"
 
 
 class Background:
     """`run_training` on a thread: the test's main thread changes the cluster meanwhile
-    (`Cluster.add_node` must run on the main thread)."""
+    (`Cluster.add_node` must run on the main thread). Use as a context manager: a test that
+    fails ends the run before the module's cluster is torn down."""
 
     def __init__(self, cfg: Any) -> None:
         from ray_diloco.driver import run_training
 
         self.cfg, self.summary, self.error = cfg, None, None
+        self._abort = threading.Event()
 
         def run() -> None:
             try:
-                self.summary = run_training(cfg, progress=lambda line: None)
+                self.summary = run_training(
+                    cfg,
+                    progress=lambda line: None,
+                    stop_when=lambda sup: "test ended" if self._abort.is_set() else None,
+                )
             except BaseException as err:
                 self.error = err
 
         self.thread = threading.Thread(target=run, name="training", daemon=True)
         self.thread.start()
 
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._abort.set()
+        self.thread.join(timeout=300)
+
     def events(self) -> list[Any]:
         path = Path(self.cfg.run_dir) / "events.jsonl"
         return read_tape(path) if path.exists() else []
 
-    def wait_for(self, what: str, condition: Any, timeout_s: float = 120.0) -> None:
+    def wait_for(self, what: str, condition: Any, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition(self.events()):
             assert self.thread.is_alive(), f"the run ended before {what}: {self.error}"
@@ -79,18 +94,16 @@ def _check_exact(summary: dict[str, Any], budget: int) -> None:
 def test_a_node_added_mid_run_gets_a_scavenged_learner(tpu_cluster: Any, tmp_path: Path) -> None:
     template = {"name": "spare", "region": SPARE_REGION, "batch_size": 8, "speed": 1.0}
     cfg = _config(
-        tmp_path, "scavenge", 96_000, scavenge=True, templates=[template], scavenge_interval_s=1
+        tmp_path, "scavenge", 400_000, scavenge=True, templates=[template], scavenge_interval_s=1
     )
-    run = Background(cfg)
-    run.wait_for("rounds", lambda ev: _rounds(ev) >= 10)
-    node = add_cpu_host(tpu_cluster.cluster, SPARE_REGION)  # spare capacity appears
-    try:
-        run.wait_for(
-            "a scavenged learner", lambda ev: any(isinstance(e, LearnerJoined) for e in ev)
-        )
-        summary = run.result()
-    finally:
-        tpu_cluster.cluster.remove_node(node, allow_graceful=False)
+    with Background(cfg) as run:
+        run.wait_for("rounds", lambda ev: _rounds(ev) >= 10)
+        node = add_cpu_host(tpu_cluster.cluster, SPARE_REGION)  # spare capacity appears
+        with _removed_at_exit(tpu_cluster, node):
+            run.wait_for(
+                "a scavenged learner", lambda ev: any(isinstance(e, LearnerJoined) for e in ev)
+            )
+            summary = run.result()
     joined = [e for e in run.events() if isinstance(e, LearnerJoined)]
     assert [(e.learner, e.reason) for e in joined] == [("spare-0", "scavenged")]
     assert summary["learners"]["spare-0"]["contributions_merged"] > 0
@@ -102,15 +115,13 @@ def test_a_drained_node_loses_its_learner_gracefully(tpu_cluster: Any, tmp_path:
     from ray.core.generated import autoscaler_pb2
 
     node = add_cpu_host(tpu_cluster.cluster, SPARE_REGION)
-    tree_cfg = _config(tmp_path, "drain", 96_000)
-    tree = tree_cfg.model_dump(mode="json")
+    tree = _config(tmp_path, "drain", 400_000).model_dump(mode="json")
     tree["learners"].append(
         {"name": "asia", "region": SPARE_REGION, "batch_size": 8, "jitter": 0.1}
     )
     cfg = build_config(tree, "elastic test drain")
-    run = Background(cfg)
-    try:
-        run.wait_for("rounds", lambda ev: _rounds(ev) >= 15)
+    with _removed_at_exit(tpu_cluster, node), Background(cfg) as run:
+        run.wait_for("rounds", lambda ev: _rounds(ev) >= 10)
         # A preemption notice with a minute to go: the learner has time to leave gracefully.
         gcs = ray._raylet.GcsClient(address=tpu_cluster.cluster.address)  # type: ignore[attr-defined]
         reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
@@ -121,8 +132,6 @@ def test_a_drained_node_loses_its_learner_gracefully(tpu_cluster: Any, tmp_path:
         drained_t = max(e.t for e in run.events())
         run.wait_for("the leave", lambda ev: any(isinstance(e, LearnerLeft) for e in ev))
         summary = run.result()
-    finally:
-        tpu_cluster.cluster.remove_node(node, allow_graceful=False)
     events = run.events()
     (left,) = [e for e in events if isinstance(e, LearnerLeft)]
     assert left.learner == "asia" and "drained" in left.reason
@@ -134,6 +143,14 @@ def test_a_drained_node_loses_its_learner_gracefully(tpu_cluster: Any, tmp_path:
     assert [e for e in events if isinstance(e, RoundClosed) and e.t > drained_t]
     assert training_uptime_of(events, summary) == pytest.approx(1.0)
     _check_exact(summary, cfg.token_budget)
+
+
+@contextlib.contextmanager
+def _removed_at_exit(tpu_cluster: Any, node: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        tpu_cluster.cluster.remove_node(node, allow_graceful=False)
 
 
 def training_uptime_of(events: list[Any], summary: dict[str, Any]) -> float:

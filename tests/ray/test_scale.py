@@ -58,7 +58,7 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
             f"run_dir={run_dir}",
             "synchronizer.name=sync-scale",
             "diloco.mode=decoupled",
-            "token_budget=60000",
+            "token_budget=200000",
             "pace=step_time",
             "step_time_s=0.05",
             "elastic.lease_tokens=1024",
@@ -86,6 +86,7 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
     address = ray.get_runtime_context().gcs_address
     out = _scale(run_dir, address, "--add", "name=extra,batch_size=8")
     assert "learner extra joins the run" in out
+    # Paced at 50 ms a step, the run lasts ~40 s: time for the new learner to boot and merge.
     while status().get("contributions_merged", {}).get("extra", 0) < 3:
         assert time.monotonic() < deadline + 60 and thread.is_alive(), "extra never contributed"
         time.sleep(0.5)
@@ -103,7 +104,7 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
     assert extra["state"] == "left"
     assert summary["ledger_violations"] == []
     assert summary["tokens"] == sum(a["tokens"] for a in summary["learners"].values())
-    assert summary["tokens"] >= 60000
+    assert summary["tokens"] >= 200000
 
 
 def test_scale_reports_a_bad_run_dir_in_one_line(tmp_path: Path) -> None:

@@ -1,0 +1,132 @@
+"""Progress points (what the driver hands its display) and the displays that show them."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from rich.console import Console
+
+from ray_diloco.display import PlainDisplay, progress_display, render
+from ray_diloco.progress import ProgressTracker, booting
+from ray_diloco.report import progress_line
+
+REGIONS = {"us-0": "us-east", "eu-0": "eu-west"}
+
+
+def statuses(
+    tokens: int, steps: dict[str, int], merged: dict[str, int], states: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    st = {
+        "tokens": tokens,
+        "heldout_loss": 3.5 if tokens else None,
+        "rounds": sum(merged.values()),
+        "mean_contributors": 1.5,
+        "live": ["us-0"],
+        "bytes_up": {"us-0": 10 * tokens},
+        "bytes_down": {"us-0": 20 * tokens},
+        "learners": {n: {"step": s} for n, s in steps.items()},
+        "contributions_merged": merged,
+    }
+    sup = {
+        "goodput": 0.5,
+        "uptime": 0.9,
+        "learners": {n: {"state": s, "incarnation": 0, "restarts": 0} for n, s in states.items()},
+        "recovery": {"kill_host": {"recovery_s_median": 4.0}},
+    }
+    return st, sup
+
+
+def test_rates_are_measured_over_a_recent_window_not_since_the_start():
+    tracker = ProgressTracker(100_000, REGIONS)
+    boot = {"us-0": "compiling", "eu-0": "starting"}
+    p = tracker.point(0.0, *statuses(0, {}, {}, boot))
+    assert booting(p) and p["eta_s"] is None and p["tokens_per_s"] == 0.0
+    training = {"us-0": "training", "eu-0": "training"}
+    tracker.point(30.0, *statuses(0, {"us-0": 0}, {}, training))  # 30 s of boot
+    tracker.point(32.0, *statuses(2_000, {"us-0": 10}, {"us-0": 1}, training))
+    p = tracker.point(34.0, *statuses(4_000, {"us-0": 20}, {"us-0": 1}, training))
+    # a rate since the start would say 4000 / 34 s; the last 10 s say 1000 tokens/s
+    assert not booting(p)
+    assert p["tokens_per_s"] == 1_000.0
+    assert p["eta_s"] == 96.0
+    us = p["learners"]["us-0"]
+    assert us["steps_per_s"] == 5.0 and us["region"] == "us-east"
+    assert us["state"] == "training" and us["since"] == 30.0
+    assert us["merged"] == 1 and us["last_merge_t"] == 32.0
+    assert p["learners"]["eu-0"]["last_merge_t"] is None  # nothing of it merged yet
+
+
+def test_a_restarted_learner_shows_since_when_it_is_down():
+    tracker = ProgressTracker(100_000, REGIONS)
+    up = {"us-0": "training", "eu-0": "training"}
+    tracker.point(10.0, *statuses(1_000, {"us-0": 5, "eu-0": 5}, {}, up))
+    down = {"us-0": "training", "eu-0": "dead"}
+    tracker.point(12.0, *statuses(1_500, {"us-0": 9, "eu-0": 5}, {}, down))
+    p = tracker.point(14.0, *statuses(2_000, {"us-0": 13, "eu-0": 5}, {}, down))
+    eu = p["learners"]["eu-0"]
+    assert eu["state"] == "dead" and eu["since"] == 12.0 and eu["steps_per_s"] == 0.0
+
+
+def test_live_view_says_learners_are_starting_instead_of_rows_of_zeros():
+    tracker = ProgressTracker(600_000, REGIONS, "http://127.0.0.1:8265")
+    p = tracker.point(12.0, *statuses(0, {}, {}, {"us-0": "compiling", "eu-0": "starting"}))
+    text = _text(render(p, "run local"))
+    assert "starting learners (compiling)" in text and "http://127.0.0.1:8265" in text
+    assert "compiling" in text and "eu-west" in text and "%" not in text
+
+
+def test_live_view_shows_the_budget_bar_and_a_row_per_learner():
+    tracker = ProgressTracker(600_000, REGIONS)
+    up = {"us-0": "training", "eu-0": "restarting"}
+    tracker.point(50.0, *statuses(290_000, {"us-0": 100}, {"us-0": 3}, up))
+    p = tracker.point(52.0, *statuses(300_000, {"us-0": 110}, {"us-0": 4}, up))
+    text = _text(render(p, "run local"))
+    assert "50%" in text and "300k/600k tokens" in text and "5k tok/s" in text
+    assert "ETA 1:00" in text and "held-out loss 3.5000" in text and "goodput 0.500" in text
+    assert "restarting" in text and "5.0" in text  # eu-0's state, us-0's steps/s
+
+
+def test_plain_lines_come_every_n_seconds_and_at_once_when_a_learner_goes_down():
+    lines: list[str] = []
+    display = PlainDisplay(10.0, lines.append)
+    tracker = ProgressTracker(100_000, REGIONS)
+    up = {"us-0": "training", "eu-0": "training"}
+    for t in (0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0):
+        display(tracker.point(t, *statuses(int(100 * t), {}, {}, up)))
+    assert len(lines) == 2  # t=0 and t=10
+    display(tracker.point(13.0, *statuses(1_300, {}, {}, {**up, "eu-0": "dead"})))
+    assert len(lines) == 3 and "down 1 (eu-0)" in lines[-1]
+    display.close()
+    assert len(lines) == 3  # the last point was printed already
+
+
+def test_the_display_falls_back_to_plain_lines_when_not_a_terminal():
+    out = io.StringIO()
+    tracker = ProgressTracker(100_000, REGIONS)
+    with progress_display("run local", 10.0, file=out) as show:
+        show(tracker.point(1.0, *statuses(0, {}, {}, {"us-0": "compiling", "eu-0": "starting"})))
+    assert out.getvalue().startswith("t=0:01  starting learners (compiling): compiling 1 (us-0)")
+    assert "\x1b[" not in out.getvalue()  # no escape codes in a pipe
+
+
+def test_progress_line_shows_goodput_uptime_restarts_and_recovery():
+    point = {
+        "tokens": 120_000,
+        "t": 42.0,
+        "rounds": 17,
+        "goodput": 0.8123,
+        "uptime": 1.0,
+        "restarts": {"a": 0, "b": 2},
+        "recovery": {"kill_host": 6.25, "straggler": None},
+    }
+    line = progress_line(point, 1_000_000)
+    assert "tokens 120k/1M" in line and "goodput 0.812" in line and "uptime 1.000" in line
+    assert "restarts b:2" in line and "a:0" not in line
+    assert "recovered in [kill_host:6.2s]" in line and "straggler" not in line
+
+
+def _text(renderable: Any) -> str:
+    console = Console(file=io.StringIO(), width=140, record=True)
+    console.print(renderable)
+    return console.export_text()
