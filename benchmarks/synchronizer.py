@@ -227,7 +227,7 @@ def _fake_learner_class() -> Any:
             from ray_diloco.algorithm.rounds import ContributionMeta
 
             counts: Counter[str] = Counter()
-            channel = SyncChannel(self.cfg, self.lg, 0, counts)
+            channel = SyncChannel(self.cfg, self.lg, 0, counts, lambda core: {})
             reply = channel.register(lambda why: None)
             plan = reply["plan"]
             rng = np.random.default_rng(seed)

@@ -224,6 +224,18 @@ class ScheduledFault(_Frozen):
     )
     duration_s: float = Field(0.0, ge=0)
     factor: float = Field(1.0, gt=0, description="slowdown factor for straggler/slow_link")
+    during_checkpoint: bool = Field(
+        False,
+        description="kill_synchronizer only: start a checkpoint write and kill while it runs",
+    )
+
+    @model_validator(mode="after")
+    def _checkpoint_kill(self) -> ScheduledFault:
+        if self.during_checkpoint and self.kind != "kill_synchronizer":
+            raise ValueError(
+                f"during_checkpoint applies to kill_synchronizer only, not {self.kind}; remove it"
+            )
+        return self
 
 
 class ChaosConfig(_Frozen):

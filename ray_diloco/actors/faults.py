@@ -15,7 +15,8 @@ time) once it took effect. How each fault is made real:
 - cut_link / slow_link: the region's emulated WAN link, impaired for `duration_s` both in the
   synchronizer (downstream) and in every learner of the region (upstream);
 - kill_synchronizer: `ray.kill(..., no_restart=False)` of the target shard (default 0): Ray
-  reconstructs it from its checkpoint.
+  reconstructs it, and it recovers from its checkpoint, its round log and the learners
+  (`during_checkpoint`: right after it began writing a checkpoint).
 A fault whose target learner is down (being restarted) when it is due is skipped, not recorded.
 """
 
@@ -230,9 +231,13 @@ class ChaosEngine:
             rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S)["rounds"]
         except ray.exceptions.RayError:
             rounds = None
+        # A checkpoint write just begun is still being written when the kill lands.
+        writing = a.during_checkpoint and bool(
+            ray.get(sync.begin_checkpoint.remote(), timeout=CALL_TIMEOUT_S)
+        )
         self.targets.synchronizer_killed(shard, rounds)
         ray.kill(sync, no_restart=False)
-        return f"shard {shard} at {rounds} rounds"
+        return f"shard {shard} at {rounds} rounds" + (", writing a checkpoint" if writing else "")
 
 
 class _Skip(Exception):

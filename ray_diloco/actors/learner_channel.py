@@ -10,8 +10,13 @@ report without waiting for it: replies are read later with `ray.wait(timeout=0)`
 `MAX_REPORTS_IN_FLIGHT` outstanding per shard, beyond which only one report per beat is sent
 while training goes on: a synchronizer being restarted never stops a learner); a reply can stop
 the learner (the budget is spent) or ask it to register again with that shard (it restarted
-from a checkpoint and no longer knows it). `offer` hands each contribution to a sender thread
-that holds it for the emulated upstream link time, then pushes it by value with
+and no longer knows it): the learner states what it holds (data, cursor, the newest version of
+each fragment), hands the shard the values it asks for (`wanted`): the shard recovers its
+newest global values from the learners (algorithm.md section 7, docs/contracts.md), and adopts
+the shard's snapshot.
+
+`offer` hands each contribution to a sender thread that holds it for the emulated upstream
+link time, then pushes it by value with
 `shard.offer.remote`, at most `synchronizer.max_offers_in_flight` unanswered per shard: beyond
 that an offer waits, and a newer offer of the same fragment replaces the waiting one. The newer
 one carries the older one's work when both have the same base version (its counters run since
@@ -47,6 +52,7 @@ MAX_REPORTS_IN_FLIGHT = 16
 REGISTER_TIMEOUT_S = 300.0
 Stop = Callable[[str], None]
 Offer = tuple["ContributionMeta", dict[str, Any]]
+Held = Callable[["LearnerCore"], dict[int, tuple[int, Any]]]
 
 
 class Fenced(Exception):
@@ -60,10 +66,13 @@ class SyncChannel:
         lg: LearnerGroupConfig,
         incarnation: int,
         counts: collections.Counter[str],
+        held: Held,
     ) -> None:
         from ray_diloco.algorithm import links
 
         s = cfg.synchronizer
+        self.held = held  # the newest publication of each fragment the learner holds
+        self.wire_dtype = cfg.diloco.wire_dtype
         self.shards = shard_handles(cfg)
         self.owner: list[int] = []  # fragment -> shard, from the plan at registration
         self.me = ray.get_runtime_context().current_actor
@@ -116,8 +125,8 @@ class SyncChannel:
             raise
 
     def _rejoin(self, core: LearnerCore, stop: Stop, shard: int) -> None:
-        """Shard `shard` does not know this incarnation (it restarted from a checkpoint):
-        register with it again and adopt its current versions (algorithm.md section 7)."""
+        """Shard `shard` does not know this incarnation (it restarted): register with it again,
+        hand it the newer values it wants, and adopt what it holds newer (section 7)."""
         if self.num_hosts > 1:
             # The other hosts would need the new snapshot too: the group restarts as a whole.
             raise Fenced("the synchronizer no longer knows this multi-host learner")
@@ -125,14 +134,39 @@ class SyncChannel:
             "learner %s: report refused by shard %d; registering again", self.name, shard
         )
         self._reports[shard].clear()
-        # It kept training: its leases and cursor are newer than the restored books.
+        # It kept training: its leases, cursor and fragments are newer than the restored books.
         reader = core.reader
-        held = ([lease.as_tuple() for lease in reader.queue], reader.offset, core.cursor)
+        fragments = self.held(core)
+        versions = {p: version for p, (version, _) in fragments.items()}
+        held = ([lease.as_tuple() for lease in reader.queue], reader.offset, core.cursor, versions)
         reply = self._register(shard, held)
         if reply["finished"]:
             stop("token budget reached")
-        core.adopt(reply["snapshot"])
+        self._provide(shard, fragments, reply["wanted"])
+        # A fragment it holds newer than the restored one (which the shard is recovering from
+        # the learners) is taken at its own version, the others at the shard's. Either way its
+        # steps since are dropped: they were never merged, and a delta of the whole outage
+        # would be refused as a norm outlier (no round closing on its base).
+        snapshot = dict(reply["snapshot"])
+        for p, (version, values) in fragments.items():
+            if p in snapshot and version > snapshot[p][0]:
+                snapshot[p] = (version, values)
+        core.adopt(snapshot)
         self.counts["rejoins"] += 1
+
+    def _provide(
+        self, shard: int, fragments: dict[int, tuple[int, Any]], wanted: dict[int, int]
+    ) -> None:
+        """Hand the restarted shard the newer values it is recovering (not awaited)."""
+        from ray_diloco.algorithm import wire
+
+        dtype = wire.publish_dtype(self.wire_dtype)
+        for p, best in wanted.items():
+            version, values = fragments.get(p, (0, None))
+            if version > best:  # the same bytes it was published as
+                encoded = wire.encode_tree(values, dtype)
+                self.shards[shard].provide.remote(self.name, self.incarnation, p, version, encoded)
+                self.counts["fragments_provided"] += 1
 
     # -- progress reports ---------------------------------------------------------------------
 

@@ -18,11 +18,16 @@ delta into arrays in this process right away; the synchronizer never keeps a ref
 learner-owned object. Everything it keeps or sends (published fragments via `ray.put`) is owned
 by the synchronizer, so a learner's death can never take a global fragment with it.
 
-State is checkpointed with Orbax every `checkpoint_every_rounds` rounds (on a thread of its own,
-so rounds keep closing) and on `shutdown()`, and restored in `__init__` when a checkpoint of the
-same state digest exists (after a restart, or when a run dir of an interrupted run is resumed).
-Versions published since are numbered past on restore (`version_mark.py`): they never go back.
-Each shard checkpoints and restores its own fragments; a dead shard stalls only those.
+A round counts (the status's rounds, `RoundClosed`, the version mark) once a learner received
+its publication (`deliveries.py`). State is checkpointed with Orbax (on a thread of its own, so
+rounds keep closing) from `checkpoint_every_rounds / 2` rounds on, and a round closes only while
+the newest written checkpoint is fewer than `checkpoint_every_rounds` rounds behind: whenever
+the process dies, its checkpoint misses at most that many. Every committed round is also in the
+round log. A restarted shard restores its checkpoint and recovers the rounds since from the
+learners, which hold the newest publications (`sync_restore.py`, `SynchronizerCore`'s
+recovery): values and the ledger exactly, the outer momentum from the checkpoint. Each shard
+checkpoints and restores its own fragments; a dead shard stalls only those; versions never go
+back.
 """
 
 from __future__ import annotations
@@ -40,11 +45,12 @@ import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
+from ray_diloco.actors.deliveries import Deliveries
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
-from ray_diloco.actors.sync_restore import checkpoint_dir, restore
+from ray_diloco.actors.sync_restore import ShardStore
 from ray_diloco.actors.sync_shards import shard_name
-from ray_diloco.actors.version_mark import VersionMark
+from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
@@ -52,7 +58,7 @@ from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
 if TYPE_CHECKING:
-    from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.rounds import ContributionMeta, RoundClose
     from ray_diloco.algorithm.sync_core import Publication
     from ray_diloco.algorithm.wire import Encoded
 
@@ -101,20 +107,23 @@ class Synchronizer:
         self.regions = {lg.name: lg.region for lg in cfg.learners}
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
         self.finished_at: float | None = None
-        self.restored: dict[str, Any] | None = None
-        self.checkpointer: Any = None
-        self.versions_mark: VersionMark | None = None
-        if cfg.checkpoint.enabled:
-            self.checkpointer, self.restored = restore(cfg, self.core, self._now(), shard)
-            self._resume_versions()
+        self.store = (
+            ShardStore(cfg, shard, self.core, self._now()) if cfg.checkpoint.enabled else None
+        )
+        self.restored: dict[str, Any] | None = self.store.restored if self.store else None
+        self.checkpointer: Any = self.store.checkpointer if self.store else None
+        # The newest version of each fragment a learner received: what `rounds` counts.
+        self.delivered = self.core.book.versions()
+        self._closing: dict[tuple[int, int], RoundClosed] = {}  # committed, not yet delivered
         # Per learner: the incarnation and versions it registered with, and the incarnation
         # and step of its last merged contribution (the supervisor detects rejoins from them).
         self.registered: dict[str, dict[str, Any]] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
-        self._saved_rounds = self.rounds()
+        self._saved = self._committed()  # rounds in the newest written checkpoint
         self._ckpt_thread: threading.Thread | None = None
         self._eval_thread: threading.Thread | None = None
         self._links = DelayedCalls("publish-links")
+        self.deliveries = Deliveries(self._delivered)
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
 
@@ -131,29 +140,42 @@ class Synchronizer:
         incarnation: int,
         host_handles: list[Any],
         region: str = LOCAL_REGION,
-        held: tuple[list[tuple[int, int, int]], int, int] | None = None,
+        held: tuple[Any, ...] | None = None,
     ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
         latest published version of every fragment, its data (cursor, offset into the first
-        lease, leases) and the fragment plan (one source for every learner). `held`: what a
-        learner that kept training through this synchronizer's restore already holds."""
+        lease, leases), the fragment plan (one source for every learner) and `wanted`: per
+        fragment being recovered, the newest version found so far (a learner holding a newer
+        one hands it over with `provide`).
+        `held`: what a learner that kept training through this shard's restart holds (leases,
+        offset, cursor, and the newest version of each fragment)."""
         from ray_diloco.algorithm.leases import Lease
 
         with self._lock:
             kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
             a = self.core.register(learner, incarnation, self._now(), kept)
             self._mark_leases()
+            if self.store is not None:
+                versions = held[3] if held is not None and len(held) > 3 else {}
+                self.store.registered(learner, versions)
             self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
             self.hosts[learner] = list(host_handles)
             self.regions[learner] = region
             snapshot = self.core.snapshot()
+            wanted = self.core.wanted()
             plan = self.setup.plan
         logger.info(
             "registered learner %s incarnation %d at cursor %d", learner, incarnation, a.cursor
         )
         finished = self.finished_at is not None
         data = (a.cursor, a.offset, [lease.as_tuple() for lease in a.leases])
-        return {"snapshot": snapshot, "data": data, "plan": plan, "finished": finished}
+        return {
+            "snapshot": snapshot,
+            "wanted": wanted,
+            "data": data,
+            "plan": plan,
+            "finished": finished,
+        }
 
     @ray.method(concurrency_group="control")
     def leave(self, learner: str) -> int:
@@ -168,8 +190,8 @@ class Synchronizer:
 
     def _mark_leases(self) -> None:
         """Persist the pool's frontiers before leases leave this process (under the lock)."""
-        if self.versions_mark is not None:
-            self.versions_mark.update(frontier=self.core.ledger.pool.frontier)
+        if self.store is not None:
+            self.store.mark.update(frontier=self.core.ledger.pool.frontier)
 
     @ray.method(concurrency_group="control")
     def report(
@@ -232,6 +254,9 @@ class Synchronizer:
                 "rejected": dict(core.rejected),
                 "ledger_violations": core.ledger.violations(),
                 "tokens_dropped": core.ledger.tokens_dropped,
+                "recovering": sorted(core.recovering),
+                "checkpoint_writing": self._ckpt_thread is not None
+                and self._ckpt_thread.is_alive(),
                 "learners": self.journal.learner_table(),
                 "finished": self.finished_at is not None,
                 "restored": self.restored,
@@ -258,6 +283,7 @@ class Synchronizer:
         self._wake.set()
         self._thread.join(timeout=30)
         self._links.close()
+        self.deliveries.close()
         return self._checkpoint()
 
     # -- data group: contributions, evaluation, checkpoints -----------------------------------
@@ -307,19 +333,52 @@ class Synchronizer:
             return self.core.global_params(), self.rounds()
 
     @ray.method(concurrency_group="data")
+    def provide(
+        self, learner: str, incarnation: int, fragment: int, version: int, encoded: Any
+    ) -> bool:
+        """A learner hands over the value of `fragment` at `version` (the publication it
+        holds), which this shard, restarted, wants back. True when taken."""
+        from ray_diloco.algorithm.wire import decode_tree
+
+        values = decode_tree(encoded)
+        with self._lock:
+            taken = fragment in self.core.recovering and version > self.core.wanted()[fragment]
+            if self.core.provide(fragment, version, values):
+                self._finish_recovery(fragment)
+        logger.info(
+            "learner %s incarnation %d handed over fragment %d version %d (%s)",
+            learner,
+            incarnation,
+            fragment,
+            version,
+            "taken" if taken else "not needed",
+        )
+        self._wake.set()
+        return taken
+
+    @ray.method(concurrency_group="data")
     def checkpoint(self) -> str | None:
         """Write a checkpoint now unless the newest one already holds this state."""
         return self._checkpoint()
 
-    def _checkpoint_in_background(self) -> None:
+    @ray.method(concurrency_group="control")
+    def begin_checkpoint(self) -> bool:
+        """Start writing a checkpoint in the background (chaos: a kill timed to land while
+        one is being written). False when one is being written already."""
+        return self._checkpoint_in_background()
+
+    def _checkpoint_in_background(self) -> bool:
         """A periodic checkpoint on its own thread: writing it takes seconds on a busy host,
         and rounds must keep closing meanwhile (the global model never stops advancing)."""
-        if self._ckpt_thread is not None and self._ckpt_thread.is_alive():
-            return
+        if self.checkpointer is None or (
+            self._ckpt_thread is not None and self._ckpt_thread.is_alive()
+        ):
+            return False
         self._ckpt_thread = threading.Thread(
             target=self._checkpoint_logged, name="checkpoint", daemon=True
         )
         self._ckpt_thread.start()
+        return True
 
     def _checkpoint_logged(self) -> None:
         try:
@@ -328,18 +387,23 @@ class Synchronizer:
             logger.exception("synchronizer checkpoint failed")
 
     def _checkpoint(self) -> str | None:
-        if self.checkpointer is None:
+        """Write the state at the committed rounds (the step number); the round log then
+        keeps only the rounds past it."""
+        if self.store is None:
             return None
         with self._ckpt_lock:
             with self._lock:
-                rounds = self.rounds()
+                rounds = self._committed()
                 path = str(self.checkpointer.directory / str(rounds))
-                if rounds == self._saved_rounds and self.checkpointer.latest_step() == rounds:
+                if rounds == self._saved and self.checkpointer.latest_step() == rounds:
                     return path
                 arrays, meta = self._ck.sync_state_to_tree(self.core.state_dict())
+                versions = self.core.book.versions()
             meta = {**meta, "digest": self._ck.state_digest(self.cfg), "run": self.cfg.name}
             self.checkpointer.save(rounds, arrays, meta)  # outside the lock: reports go on
-            self._saved_rounds = rounds
+            self.store.log.compact(versions)
+            self._saved = rounds
+        self._wake.set()  # rounds held back for it may close
         logger.info("checkpoint of %d rounds written to %s", rounds, path)
         return path
 
@@ -353,9 +417,11 @@ class Synchronizer:
             self._wake.wait(timeout=self._idle_s())
             self._wake.clear()
             try:
+                self._recover()
                 self._close_rounds()
                 rounds = self.rounds()
-                if rounds - self._saved_rounds >= self.cfg.synchronizer.checkpoint_every_rounds:
+                behind = self._committed() - self._saved
+                if 2 * behind >= self.cfg.synchronizer.checkpoint_every_rounds:
                     self._checkpoint_in_background()
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
                 if self.shard == 0 and due and rounds != last_eval_rounds:  # not when idle
@@ -370,11 +436,39 @@ class Synchronizer:
             return IDLE_POLL_S
         return min(IDLE_POLL_S, max(0.0, deadline - self._now()))
 
+    def _recover(self) -> None:
+        """End the recoveries that can end (a restarted shard's fragments)."""
+        if self.store is None or not self.core.recovering:
+            return
+        with self._lock:
+            for p in self.store.due():
+                self._finish_recovery(p)
+
+    def _finish_recovery(self, fragment: int) -> None:
+        """Adopt the fragment's newest value found (under the lock)."""
+        assert self.store is not None
+        self.store.finish(fragment)
+        adopted = self.store.restored["adopted"][fragment]  # type: ignore[index]
+        self.delivered[fragment] = adopted
+        # Every number the fragment may carry anywhere (the new one included) is in the mark.
+        self.store.mark.update({fragment: self.core.book.versions()[fragment]})
+
+    def _room(self) -> int | None:
+        """Rounds that may still close before the newest written checkpoint falls
+        `checkpoint_every_rounds` behind (None: no checkpoints)."""
+        if self.store is None:
+            return None
+        return self.cfg.synchronizer.checkpoint_every_rounds - (self._committed() - self._saved)
+
     def _close_rounds(self) -> None:
         with self._lock:
             if self.finished_at is not None:
                 return
-            closes = self.core.close_due(self._now())
+            room = self._room()
+            if room is not None and room <= 0:
+                self._checkpoint_in_background()  # rounds wait for it (it wakes this thread)
+                return
+            closes = self.core.close_due(self._now(), room)
         for close in closes:
             try:
                 started = time.perf_counter()
@@ -389,27 +483,46 @@ class Synchronizer:
                 self.core.commit(pub, self._now())
                 for c in close.contributions:
                     self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
-                if self.versions_mark is not None:  # before the version leaves this process
-                    self.versions_mark.update(self.core.book.versions())
+                if self.store is not None:  # before the version leaves this process
+                    cursors = {
+                        n: self.core.ledger.account(n).cursor for n in self._contributors(close)
+                    }
+                    self.store.log.append(LoggedRound.of(close, cursors))
                 active = self._targets()
                 targets = {n: active[n] for n in self.core.recipients(pub, active)}
                 live = len(self.core.book.live(self._now()))
                 for learner in targets:
                     self.core.sent(learner, pub.nbytes)
-                self.journal.record(
-                    RoundClosed(
-                        time.time(),
-                        pub.fragment,
-                        pub.version,
-                        len(close.contributions),
-                        close.num_tokens,
-                        close.grace_s,
-                        close.closed_s - close.quorum_s,
-                        self.shard,
-                    )
+                self._closing[(pub.fragment, pub.version)] = RoundClosed(
+                    time.time(),
+                    pub.fragment,
+                    pub.version,
+                    len(close.contributions),
+                    close.num_tokens,
+                    close.grace_s,
+                    close.closed_s - close.quorum_s,
+                    self.shard,
                 )
-            self._publish(pub.fragment, pub.version, pub.encoded, targets)
+            sends = sum(len(handles) for handles in targets.values())
+            self.deliveries.expect(pub.fragment, pub.version, sends)
+            self._publish(pub.fragment, pub.version, pub.encoded, targets, track=True)
             self._round_metrics(pub, live)
+
+    @staticmethod
+    def _contributors(close: RoundClose) -> list[str]:
+        return [c.meta.learner for c in close.contributions]
+
+    def _delivered(self, fragment: int, version: int) -> None:
+        """A learner holds `version` of `fragment` (the deliveries thread): the round
+        counts, and the version mark says it (a restart recovers it from the learners)."""
+        with self._lock:
+            for key in sorted(k for k in self._closing if k[0] == fragment and k[1] <= version):
+                self.journal.record(self._closing.pop(key))
+            if version <= self.delivered.get(fragment, 0):
+                return
+            self.delivered[fragment] = version
+            if self.store is not None:
+                self.store.mark.update({fragment: version})
 
     def _targets(self) -> dict[str, list[Any]]:
         """Hosts of every registered learner that is not fenced or retired. Like the
@@ -423,7 +536,9 @@ class Synchronizer:
         version: int,
         encoded: dict[str, Encoded],
         targets: dict[str, list[Any]],
+        track: bool = False,
     ) -> None:
+        """Send a fragment to `targets`; `track`: a round's publication (`deliveries`)."""
         ref = ray.put(encoded)  # owned by the synchronizer, shared by every send
         nbytes = tree_bytes(encoded)
         now = time.monotonic()
@@ -432,9 +547,15 @@ class Synchronizer:
             region = self.regions.get(learner, LOCAL_REGION)
             delay = self._wan.arrival(region, "down", nbytes, now) - now
             for host in handles:
-                send = functools.partial(_send, host, fragment, version, ref)
+                send = functools.partial(self._send, host, fragment, version, ref, track)
                 self._links.call_later(delay, send)
             self.metrics.link_bytes(learner, region, "down", nbytes)
+
+    def _send(self, host: Any, fragment: int, version: int, ref: Any, track: bool) -> None:
+        # A learner that is down gets the latest version when it registers again.
+        call = host.receive.remote(fragment, version, ref)
+        if track:
+            self.deliveries.sent(fragment, version, call)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
@@ -488,33 +609,16 @@ class Synchronizer:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _resume_versions(self) -> None:
-        """Number restored fragments above every version published before a restart (the
-        mark survives the checkpoints' gap), so versions never go backwards."""
-        self.versions_mark = VersionMark(checkpoint_dir(self.cfg, self.shard))
-        versions, frontier = self.versions_mark.load()
-        self.core.ledger.pool.raise_frontiers(frontier)
-        lost = self.core.resume_versions(versions)
-        if lost:
-            base = self.restored or {
-                "versions": {},
-                "rounds": 0,
-                "restart": True,
-                "time": time.time(),
-            }
-            self.restored = {**base, "rounds_lost": lost}
-            logger.warning("%d rounds published after the last checkpoint were lost", lost)
-
     def rounds(self) -> int:
+        """Rounds that reached a learner (the sum of the newest delivered versions)."""
+        return sum(self.delivered.values())
+
+    def _committed(self) -> int:
+        """Rounds committed here, delivered or not: what checkpoints count."""
         return sum(self.core.book.versions().values())
 
     def _now(self) -> float:
         return time.monotonic()
-
-
-def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
-    # Fire and forget: a learner that is down gets the latest version when it registers again.
-    host.receive.remote(fragment, version, ref)
 
 
 def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,10 +104,18 @@ class RoundLog:
         return out
 
     def compact(self, versions: Mapping[int, int]) -> None:
-        """Keep only the rounds past `versions` (fragment -> version a checkpoint or a
-        restore now holds); atomic, so a crash leaves the old or the new log."""
+        """Drop the rounds a checkpoint holds (fragment -> its version there)."""
+        self._rewrite(lambda e: e.version > versions.get(e.fragment, -1))
+
+    def discard(self, fragment: int, above: int) -> None:
+        """Drop the rounds of `fragment` past version `above`: a restore could not recover
+        them (their values are gone), so no later restore may replay them."""
+        self._rewrite(lambda e: e.fragment != fragment or e.version <= above)
+
+    def _rewrite(self, keep_if: Callable[[LoggedRound], bool]) -> None:
+        """Keep the lines `keep_if` accepts; atomic, so a crash leaves the old or the new log."""
         with self._lock:
-            keep = [e for e in self.entries() if e.version > versions.get(e.fragment, -1)]
+            keep = [e for e in self.entries() if keep_if(e)]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(e.to_json() + "\n" for e in keep))
             self._fh.close()

@@ -325,11 +325,14 @@ class RoundBook:
 
     # -- closing rounds ---------------------------------------------------------------------
 
-    def poll(self, now: float) -> list[RoundClose]:
-        """Close every round whose quorum is met and whose grace window is over (or moot)."""
+    def poll(self, now: float, limit: int | None = None) -> list[RoundClose]:
+        """Close every round whose quorum is met and whose grace window is over (or moot);
+        at most `limit` of them (the others stay due)."""
         live = self.live(now)
-        closes = []
+        closes: list[RoundClose] = []
         for p, frag in self.fragments.items():
+            if limit is not None and len(closes) >= limit:
+                break
             if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
             everyone_in = live <= frag.pending.keys()

@@ -199,6 +199,8 @@ class SynchronizerCore:
         hist = self.published.get(meta.fragment)
         if hist is None:  # a fragment another shard owns: the learner routed it wrongly
             return self._reject(Verdict.MALFORMED, meta)
+        if meta.fragment in self.recovering:  # its value is not back yet: offered again later
+            return self._reject(Verdict.RECOVERING, meta)
         base = hist.get(meta.base_version)
         if base is None:
             if not merge.all_finite(wire.decode_tree(delta)):  # non-finite whatever its version
@@ -235,8 +237,8 @@ class SynchronizerCore:
             self.commit(pub, now)
         return pubs
 
-    def close_due(self, now: float) -> list[RoundClose]:
-        return self.book.poll(now)
+    def close_due(self, now: float, limit: int | None = None) -> list[RoundClose]:
+        return self.book.poll(now, limit)
 
     def merge(self, close: RoundClose, sync_time_s: float | None = None) -> Publication:
         """Token-weighted merge and outer step of one closed round. Touches only fragment
@@ -377,6 +379,7 @@ class SynchronizerCore:
         hist = {adopted: copy}
         top = max(r.delivered, r.newest)
         if top > adopted:
+            # The same value under a fresh number: learners that hold `adopted` rename it.
             hist[top + 1] = copy
             self.book.replay(fragment, top + 1, {})
         self.published[fragment] = hist
