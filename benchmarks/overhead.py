@@ -11,8 +11,8 @@ slowdown), measured side by side in one run, alternating so background load hits
   synchronizer merges in its own process, on the other core of a 2-core box).
 
 Steady state only: from the end of the first (compiling) step to the learner's last step.
-Target: ray / bare >= 0.95. Then the synchronizer's merge throughput: MB/s of float32
-contributions merged on one core (4 learners x every fragment per round).
+Target: ray / bare >= 0.95. (The synchronizer's merge throughput per core is measured by
+`benchmarks/synchronizer.py`.)
 
     python benchmarks/overhead.py            # 3 x 150 steps each way
     python benchmarks/overhead.py --quick    # 1 x 60 steps
@@ -21,7 +21,6 @@ contributions merged on one core (4 learners x every fragment per round).
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import tempfile
@@ -93,62 +92,6 @@ def learner_only(cfg: RunConfig) -> dict[str, float]:
     return bare(cfg, merge=False)
 
 
-def merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, float]:
-    """MB/s of contributions one core merges: `learners` wire-encoded deltas per round for every
-    fragment, each round closed, merged (token weights, RDA, outer Nesterov step, encoding of
-    the publication) and committed by `SynchronizerCore`. Only `merge` is timed."""
-    import numpy as np
-
-    from ray_diloco.algorithm import wire
-    from ray_diloco.algorithm.rounds import ContributionMeta
-    from ray_diloco.algorithm.setup import Setup, tokens_per_step
-    from ray_diloco.algorithm.sync_core import SynchronizerCore
-
-    setup = Setup.build(cfg)
-    sync = SynchronizerCore(cfg, setup.plan, setup.init)
-    names = [f"learner-{i}" for i in range(learners)]
-    for n in names:
-        sync.register(n, 0, now=0.0)
-    rng = np.random.default_rng(0)
-    steps = cfg.diloco.sync_every
-    tokens = steps * tokens_per_step(setup.task, cfg.learners[0])
-    merged_bytes, seconds, now = 0, 0.0, 0.0
-    for r in range(rounds + 1):  # round 0 compiles the outer step: not timed
-        for p, paths in enumerate(setup.plan.fragments):
-            base = sync.book.fragments[p].version
-            for n in names:
-                delta = {
-                    k: rng.normal(0.0, 1e-3, np.shape(setup.init[k])).astype(np.float32)
-                    for k in paths
-                }
-                meta = ContributionMeta(n, 0, p, base, base * steps, steps, tokens)
-                sync.offer(meta, wire.encode_tree(delta, cfg.diloco.wire_dtype), now)
-        now += 1e6  # past every grace window: each fragment's round closes with all learners
-        for close in sync.close_due(now):
-            t0 = time.perf_counter()
-            pub = sync.merge(close)
-            elapsed = time.perf_counter() - t0
-            sync.commit(pub, now)
-            if r == 0:
-                continue
-            seconds += elapsed
-            merged_bytes += sum(
-                sum(np.asarray(v).nbytes for v in c.payload.values()) for c in close.contributions
-            )
-    return {
-        "merged_mb": merged_bytes / 1e6,
-        "seconds": seconds,
-        "mb_per_s": merged_bytes / 1e6 / seconds,
-    }
-
-
-def _pinned_merge_throughput(cfg: RunConfig, learners: int, rounds: int) -> dict[str, float]:
-    """`merge_throughput` in a fresh process pinned to one core before JAX starts, so every
-    thread XLA makes shares that core: the figure is per core."""
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    return merge_throughput(cfg, learners, rounds)
-
-
 def on_ray(cfg: RunConfig) -> dict[str, float]:
     from ray_diloco.driver import run_training
 
@@ -184,11 +127,6 @@ def main() -> None:
                 rows.append({"rep": rep, "way": way, **result})
                 print(f"rep {rep} {way}: {result['tokens_per_s']:.0f} tokens/s", flush=True)
     ray.shutdown()
-    learners, rounds = (4, 2) if args.quick else (4, 10)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        cfg = one_learner(steps, Path("/tmp/overhead-merge"), "merge")
-        merge = pool.apply(_pinned_merge_throughput, (cfg, learners, rounds))
-    print(f"merge: {merge['mb_per_s']:.1f} MB/s of contributions on one core", flush=True)
     ratios, strict = [], []
     for rep in range(reps):
         b, lo, r = (
@@ -219,14 +157,12 @@ def main() -> None:
             "target": TARGET,
             "median_ratio": median,
             "median_ratio_learner_only": statistics.median(strict),
-            "merge": {"learners": learners, "rounds": rounds, **merge},
         },
     )
     verdict = "meets" if median >= TARGET else "misses"
     print(
         f"ray / bare tokens/s: median {median:.3f} ({verdict} the {TARGET} target); "
-        f"ray / learner only: {statistics.median(strict):.3f}; "
-        f"merge {merge['mb_per_s']:.1f} MB/s per core; {md}"
+        f"ray / learner only: {statistics.median(strict):.3f}; {md}"
     )
 
 

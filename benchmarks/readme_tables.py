@@ -102,14 +102,6 @@ def overhead(data: dict[str, Any]) -> str:
             "value": f"{meta['median_ratio_learner_only']:.3f}",
         }
     )
-    if "merge" in meta:
-        m = meta["merge"]
-        rows.append(
-            {
-                "measure": f"merge throughput, one core ({m['learners']} learners)",
-                "value": f"**{m['mb_per_s']:.0f} MB/s**",
-            }
-        )
     return markdown_table(rows, ["measure", "value"])
 
 
@@ -192,6 +184,70 @@ def scavenging(data: dict[str, Any]) -> str:
     return markdown_table(rows, list(rows[0]))
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e9:g}B" if n >= 1e9 else f"{n / 1e6:g}M"
+
+
+def synchronizer(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    merge = [
+        {
+            "fragment": f"{r['fragment_mb']} MB",
+            "learners": r["learners"],
+            "wire": r["wire"],
+            "merged, one core": f"**{r['mb_per_s']:,.0f} MB/s**",
+            "memcpy, same process": f"{r['memcpy_mb_per_s']:,.0f} MB/s",
+            "merge / memcpy": f"{1 / r['vs_memcpy']:.1f}x slower" if r["vs_memcpy"] < 1 else "-",
+            "CPU s / round": _num(r["cpu_s_per_round"]),
+            "wall s / round": _num(r["wall_s_per_round"]),
+        }
+        for r in meta["merge"]
+    ]
+    s = meta["load_setting"]
+    load = [
+        {
+            "model": _params(r["params"]),
+            "shards": r["shards"],
+            "rounds/s (offered)": f"{r['rounds_per_s']:.2f} ({r['offered_rounds_per_s']:.2f})",
+            "MB/s merged": f"{r['mb_per_s']:,.0f}",
+            "offer to publication, median / p99": (
+                f"{_num(r['latency_median_s'], 2)} / {_num(r['latency_p99_s'], 2)} s"
+            ),
+            "peak RSS of a shard": f"{r['max_shard_rss_mb']:,.0f} MB",
+            "offers waited / dropped": f"{r['offers_waited']} / {r['offers_dropped']}",
+            "kept up": "yes" if r["kept_up"] else "no",
+        }
+        for r in data["rows"]
+    ]
+    target = "met" if meta["merge_target_met"] else "missed"
+    parts = [
+        f"Merge, whole rounds in one process pinned to one core (target "
+        f"{meta['target_mb_per_s']:,.0f} MB/s for 64 MB+ fragments: **{target}**):",
+        markdown_table(merge, list(merge[0])),
+        f"Load: {s['learners']} fake learners stepping every {s['step_s']} s, "
+        f"H = {s['sync_every']}, P = {s['num_fragments']}, bfloat16 offers, measured over "
+        f"{s['measure_s']:g} s after {s['warmup_s']:g} s of warm-up, every process on the "
+        "same 2 cores:",
+        markdown_table(load, list(load[0])),
+    ]
+    g = meta.get("published_scale")
+    if g:
+        parts.append(
+            f"Published setting by arithmetic: {_params(g['params'])} parameters, "
+            f"{g['learners']} learners, H = {g['sync_every']}, P = {g['num_fragments']}, "
+            f"{g['step_time_s']} s a step: {g['learners']} x 4 B x {_params(g['params'])} / "
+            f"({g['sync_every']} x {g['step_time_s']} s) = "
+            f"**{g['contributions_gb_per_s']:.2f} GB/s** of float32 contributions to merge; at "
+            f"{g['per_core_mb_per_s']:,.0f} MB/s per core that is **{g['cores']:.1f} cores**. "
+            f"Memory: values, momentum, the newest publication and "
+            f"{g['max_staleness_versions']} older ones = (3 + {g['max_staleness_versions']}) x "
+            f"4 B x {_params(g['params'])} = **{g['resident_gb']:.0f} GB** resident, plus a "
+            f"round's {g['learners']} contributions and scratch, ({g['learners']} + 3) x "
+            f"{g['fragment_gb']:.1f} GB = {g['working_gb']:.1f} GB while merging."
+        )
+    return "\n\n".join(parts)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
     "goodput": goodput,
@@ -203,6 +259,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "goodput_sim_slow_repair": goodput_sim,
     "bandwidth_sim": bandwidth_sim,
     "scavenging": scavenging,
+    "synchronizer": synchronizer,
 }
 
 

@@ -46,28 +46,40 @@ class Result:
 
     @property
     def checkpoint(self) -> Path | None:
-        """The synchronizer's newest Orbax checkpoint of the run (None for a reference run)."""
-        root = self.path / "checkpoints" / "synchronizer"
-        steps = sorted((int(p.name) for p in root.glob("*") if p.name.isdigit()), reverse=True)
-        return root / str(steps[0]) if steps else None
+        """The synchronizer's newest Orbax checkpoint of the run (None for a reference run);
+        of shard 0 when the synchronizer was sharded (`checkpoints()` lists every shard's)."""
+        return self.checkpoints()[0]
+
+    def checkpoints(self) -> list[Path | None]:
+        """The newest Orbax checkpoint of each synchronizer shard (None where there is none)."""
+        from ray_diloco.algorithm.shards import shard_directory
+
+        out: list[Path | None] = []
+        for shard in range(self.config.synchronizer.num_shards):
+            root = shard_directory(self.path, shard)
+            steps = sorted((int(p.name) for p in root.glob("*") if p.name.isdigit()), reverse=True)
+            out.append(root / str(steps[0]) if steps else None)
+        return out
 
     def params(self) -> Any:
         """The final global parameters as the task's own pytree: from the run's last Orbax
-        checkpoint (a Ray run), or kept in memory (a reference run)."""
+        checkpoints (a Ray run: every shard's fragments), or kept in memory (a reference run)."""
         from ray_diloco.algorithm import checkpoint
         from ray_diloco.algorithm.setup import layout_of
 
         flat = self._params
         if flat is None:
-            if self.checkpoint is None:
-                raise FileNotFoundError(
-                    f"{self.path}: no synchronizer checkpoint (was checkpoint.enabled false?)"
-                )
-            saved = checkpoint.Checkpointer(self.checkpoint.parent, self.config.checkpoint.keep)
-            loaded = saved.restore()
-            saved.close()
-            assert loaded is not None
-            flat = checkpoint.global_values(loaded[0])
+            flat = {}
+            for path in self.checkpoints():
+                if path is None:
+                    raise FileNotFoundError(
+                        f"{self.path}: no synchronizer checkpoint (was checkpoint.enabled false?)"
+                    )
+                saved = checkpoint.Checkpointer(path.parent, self.config.checkpoint.keep)
+                loaded = saved.restore()
+                saved.close()
+                assert loaded is not None
+                flat.update(checkpoint.global_values(loaded[0]))
         return layout_of(self.config).unflatten(flat)
 
 

@@ -1,7 +1,8 @@
 """Layer: actors (Ray shell; the driver process). `run_training`: one training run on Ray.
 
 Connects to Ray first (`address`, else `RAY_ADDRESS`, else an embedded local Ray sized for the
-run), writes `run_dir/config.json`, gets or creates the named detached synchronizer and creates
+run), writes `run_dir/config.json`, gets or creates the named detached synchronizer (every
+shard of it, actors/sync_shards.py) and creates
 the run's supervisor (actors/supervisor.py), which starts, watches and restarts the learner
 groups, injects chaos and records the event tape `events.jsonl`. The driver then only watches:
 every `metrics.log_every_s` it reads both statuses, makes a progress point of them
@@ -30,8 +31,8 @@ import ray
 
 from ray_diloco.actors.learner_group import regions_are_labelled
 from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
-from ray_diloco.actors.sync_restore import checkpoint_dir
-from ray_diloco.actors.synchronizer import config_digest, get_or_create_synchronizer
+from ray_diloco.actors.sync_shards import ShardSet
+from ray_diloco.actors.synchronizer import config_digest, create_synchronizer
 from ray_diloco.config import ConfigError, RunConfig, check_output_dir, dump_config
 from ray_diloco.control.events import Event, RunStarted
 from ray_diloco.control.tape import read_tape
@@ -140,7 +141,8 @@ def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, float]:
         # the event tape goes on.)
         what = "a finished run" if finished else "a run of another config"
         logger.warning("run_dir %s holds %s; replacing it", run_dir, what)
-        shutil.rmtree(checkpoint_dir(cfg.model_copy(update={"run_dir": str(run_dir)})), True)
+        for shard_dir in (run_dir / "checkpoints").glob("synchronizer*"):
+            shutil.rmtree(shard_dir, True)
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         tape = []
@@ -175,7 +177,7 @@ class _Run:
         # time line (goodput and uptime over every session; the gap between them is not run
         # time, the new session's boot is).
         self.t0 = time.time() - elapsed_s
-        self.sync: Any = None
+        self.sync: ShardSet | None = None
         self.sup: Any = None
         self.done = False
         regions = {lg.name: lg.region for lg in cfg.learners}
@@ -184,12 +186,13 @@ class _Run:
     def execute(self, stop_synchronizer: bool) -> dict[str, Any]:
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         try:
-            self.sync = get_or_create_synchronizer(self.cfg, log_level)
+            self.sync = ShardSet(self.cfg, create_synchronizer(self.cfg, log_level))
             pin = regions_are_labelled()
             if not pin and any(lg.region != "local" for lg in self.cfg.learners):
                 logger.info("no node has a region label: regions only select emulated links")
             digest = config_digest(self.cfg)
-            self.sup = create_supervisor(self.cfg, self.t0, self.sync, log_level, pin, digest)
+            handles = self.sync.handles
+            self.sup = create_supervisor(self.cfg, self.t0, handles, log_level, pin, digest)
             # Learner processes boot (import JAX, load data) while the synchronizer builds;
             # they register with it once it is up.
             ray.get(self.sup.start.remote(), timeout=SYNC_START_TIMEOUT_S)
@@ -205,9 +208,10 @@ class _Run:
     def _check_synchronizer(self) -> None:
         """Wait for the synchronizer and make sure it serves this run."""
         s = self.cfg.synchronizer
+        assert self.sync is not None
         logger.info("waiting for the synchronizer %s/%s to start", s.namespace, s.name)
         try:
-            st = ray.get(self.sync.status.remote(NO_EVENTS), timeout=SYNC_START_TIMEOUT_S)
+            st = self.sync.status(NO_EVENTS, SYNC_START_TIMEOUT_S)
         except ray.exceptions.RayActorError as err:
             raise RuntimeError(f"the synchronizer {s.name!r} could not start: {err}") from err
         if st["config_digest"] != config_digest(self.cfg) or st["finished"]:
@@ -227,6 +231,11 @@ class _Run:
             if st["finished"]:
                 return "token budget reached"
             if sup["all_gave_up"]:
+                # The learners stop at the budget too: a shard answering late (being restored)
+                # can make the synchronizer's answer older than the supervisor's. Ask again.
+                assert self.sync is not None
+                if self.sync.status(NO_EVENTS, 120)["finished"]:
+                    return "token budget reached"
                 logger.error("every learner was given up before the token budget")
                 return "every learner gave up"
             why = self.stop_when(sup) if self.stop_when is not None else None
@@ -235,7 +244,8 @@ class _Run:
 
     def _poll(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The synchronizer's and the supervisor's status; one progress point from both."""
-        st: dict[str, Any] = ray.get(self.sync.status.remote(NO_EVENTS), timeout=120)
+        assert self.sync is not None
+        st = self.sync.status(NO_EVENTS, 120)
         sup: dict[str, Any] = ray.get(self.sup.status.remote(), timeout=120)
         point = self.tracker.point(self._t(), st, sup)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
@@ -263,7 +273,8 @@ class _Run:
             logger.info("waiting for the supervisor to stop the learners")
             time.sleep(0.2)
         self.done = True
-        loss = ray.get(self.sync.evaluate.remote(), timeout=300)
+        assert self.sync is not None
+        loss = self.sync.evaluate(300)
         st, _ = self._poll()
         summary = _summary(self.cfg, st, sup, loss, self.t0)
         summary["stop_reason"] = reason
@@ -284,11 +295,12 @@ class _Run:
         s = self.cfg.synchronizer
         try:
             if stop_synchronizer:
-                ray.get(self.sync.shutdown.remote(), timeout=120)
-                ray.kill(self.sync, no_restart=True)
-                _wait_name_released(s.name, s.namespace)
+                self.sync.shutdown(120)
+                self.sync.kill()
+                for name in self.sync.names():
+                    _wait_name_released(name, s.namespace)
             else:
-                ray.get(self.sync.checkpoint.remote(), timeout=120)
+                self.sync.checkpoint(120)
                 logger.warning("synchronizer %s/%s left running (detached)", s.namespace, s.name)
         except Exception:
             logger.exception("shutting down the synchronizer %s/%s", s.namespace, s.name)
@@ -342,6 +354,7 @@ def _summary(
         },
         "rejected": st["rejected"],
         "ledger_violations": st["ledger_violations"],
+        "tokens_dropped": st["tokens_dropped"],
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / max(wall_s, 1e-9),
         "goodput": sup["goodput"],

@@ -14,7 +14,9 @@ time) once it took effect. How each fault is made real:
 - straggler / corrupt_nan / corrupt_norm: hooks on `LearnerHost` (actors/host_faults.py);
 - cut_link / slow_link: the region's emulated WAN link, impaired for `duration_s` both in the
   synchronizer (downstream) and in every learner of the region (upstream);
-- kill_synchronizer: `ray.kill(..., no_restart=False)`: Ray reconstructs it from its checkpoint.
+- kill_synchronizer: `ray.kill(..., no_restart=False)` of the target shard (default 0): Ray
+  reconstructs it, and it recovers from its checkpoint, its round log and the learners
+  (`during_checkpoint`: right after it began writing a checkpoint).
 A fault whose target learner is down (being restarted) when it is due is skipped, not recorded.
 `FaultInjected` carries the time the fault took effect (the signal's own clock for hang_host;
 for the others, the moment the engine issued it), not the time the engine heard back: on a busy
@@ -68,10 +70,12 @@ class Targets(Protocol):
 
     def learners_in(self, region: str) -> list[str]: ...
 
-    def synchronizer(self) -> Any: ...
+    def synchronizer(self, shard: int = 0) -> Any: ...
 
-    def synchronizer_killed(self, rounds: int | None) -> None:
-        """Called right before the synchronizer is killed, with its closed rounds."""
+    def synchronizer_shards(self) -> list[Any]: ...
+
+    def synchronizer_killed(self, shard: int, rounds: int | None) -> None:
+        """Called right before shard `shard` is killed, with its closed rounds."""
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -218,7 +222,8 @@ class ChaosEngine:
     def _link(self, a: FaultAction, factor: float | None) -> Injected:
         region = str(a.target)
         at = self.clock()
-        refs = [self.targets.synchronizer().impair_link.remote(region, a.duration_s, factor)]
+        shards = self.targets.synchronizer_shards()
+        refs = [h.impair_link.remote(region, a.duration_s, factor) for h in shards]
         for learner in self.targets.learners_in(region):
             hosts = self.targets.hosts(learner)
             if hosts:
@@ -234,15 +239,21 @@ class ChaosEngine:
         return self._link(a, a.factor)
 
     def _kill_synchronizer(self, a: FaultAction) -> Injected:
-        sync = self.targets.synchronizer()
+        shard = int(a.target or 0)
+        sync = self.targets.synchronizer(shard)
         try:
             rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S)["rounds"]
         except ray.exceptions.RayError:
             rounds = None
-        self.targets.synchronizer_killed(rounds)
+        # A checkpoint write just begun is still being written when the kill lands.
+        writing = a.during_checkpoint and bool(
+            ray.get(sync.begin_checkpoint.remote(), timeout=CALL_TIMEOUT_S)
+        )
+        self.targets.synchronizer_killed(shard, rounds)
         at = self.clock()
         ray.kill(sync, no_restart=False)
-        return f"at {rounds} rounds", at
+        what = f"shard {shard} at {rounds} rounds" + (", writing a checkpoint" if writing else "")
+        return what, at
 
 
 class _Skip(Exception):

@@ -191,7 +191,11 @@ class LearnerHost:
         from ray_diloco.algorithm import setup
 
         leader = self.host_index == 0
-        channel = SyncChannel(self.cfg, self.lg, self.incarnation, self.counts) if leader else None
+        channel = (
+            SyncChannel(self.cfg, self.lg, self.incarnation, self.counts, self._held)
+            if leader
+            else None
+        )
         self.channel = channel
         # The parameters' layout only (abstract shapes): their values come from the
         # synchronizer (host 0) or by broadcast (the others), and computing them here would
@@ -315,6 +319,17 @@ class LearnerHost:
         if time.monotonic() - since > BLOCKED_WARN_S and not self.counts["warned_blocked"]:
             self.counts["warned_blocked"] += 1
             logger.warning("learner %s waits for fragments %s", self.name, waiting)
+
+    def _held(self, core: LearnerCore) -> dict[int, tuple[int, Any]]:
+        """The newest publication of each fragment this learner holds, including those that
+        arrived since the last step boundary (a restarted synchronizer recovers from them)."""
+        held = core.held()
+        with self._cond:
+            incoming = list(self._incoming)
+        for p, version, values in incoming:
+            if version > held[p][0]:
+                held[p] = (version, values)
+        return held
 
     def _set_state(self, state: LearnerState, reason: str) -> None:
         self.state = state

@@ -4,7 +4,7 @@ injects chaos and records the event tape.
 It decides nothing itself: `control.supervision.Supervision` turns observations into commands
 and events, and this actor carries them out on a control-loop thread (every
 `supervisor.poll_interval_s`). Each tick it (1) reads the synchronizer's status without waiting
-(`SyncWatch`: journal events, rounds, merges per learner, restarts), (2) collects the answers of
+(`ShardWatch`: journal events, rounds, merges per learner, restarts), (2) collects the answers of
 its own heartbeats to every host (`LearnerSlot.poll`; Ray's node-death detection is never
 waited for: a host silent past its load-adapted timeout is hung, a failed call is classified by
 `classify_ray_error`), (3) ticks the controller and executes its `KillLearner` / `StartLearner`
@@ -43,7 +43,7 @@ from ray_diloco.actors.membership import lost_nodes
 from ray_diloco.actors.resources import head_pin_options
 from ray_diloco.actors.supervisor_membership import UP as _UP
 from ray_diloco.actors.supervisor_membership import MembershipDuty
-from ray_diloco.actors.sync_watch import SyncWatch, uptime_window_s
+from ray_diloco.actors.sync_watch import ShardWatch, uptime_window_s
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.chaos import chaos_schedule
 from ray_diloco.control.degradation import DegradationMonitor
@@ -80,7 +80,7 @@ class Supervisor(MembershipDuty):
         self,
         cfg: RunConfig,
         t0: float,
-        synchronizer: Any,
+        shards: list[Any],
         log_level: str = "WARNING",
         pin_region: bool = True,
         config_digest: str = "",
@@ -100,8 +100,8 @@ class Supervisor(MembershipDuty):
             for i, lg in enumerate(cfg.learners)
         }
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
-        self.sync = SyncWatch(synchronizer, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
-        self.sync_handle = synchronizer
+        self.sync = ShardWatch(shards, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
+        self.shards = shards
         actions = chaos_schedule(cfg.chaos, names, sorted(set(self.regions.values())), HORIZON_S)
         self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None
         self._lock = threading.Lock()
@@ -203,11 +203,14 @@ class Supervisor(MembershipDuty):
     def learners_in(self, region: str) -> list[str]:
         return sorted(n for n, r in self.regions.items() if r == region)
 
-    def synchronizer(self) -> Any:
-        return self.sync_handle
+    def synchronizer(self, shard: int = 0) -> Any:
+        return self.shards[shard]
 
-    def synchronizer_killed(self, rounds: int | None) -> None:
-        self.sync.killed(rounds)
+    def synchronizer_shards(self) -> list[Any]:
+        return list(self.shards)
+
+    def synchronizer_killed(self, shard: int, rounds: int | None) -> None:
+        self.sync.killed(shard, rounds)
 
     # -- the control loop ---------------------------------------------------------------------
 
@@ -416,7 +419,7 @@ class Supervisor(MembershipDuty):
 def create_supervisor(
     cfg: RunConfig,
     t0: float,
-    synchronizer: Any,
+    shards: list[Any],
     log_level: str,
     pin_region: bool,
     config_digest: str,
@@ -429,4 +432,4 @@ def create_supervisor(
         **head_pin_options(),
     }
     actor = Supervisor.options(**options)  # type: ignore[attr-defined]
-    return actor.remote(cfg, t0, synchronizer, log_level, pin_region, config_digest)
+    return actor.remote(cfg, t0, shards, log_level, pin_region, config_digest)

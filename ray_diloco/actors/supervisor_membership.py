@@ -36,7 +36,7 @@ class MembershipDuty:
     slots: dict[str, Any]
     regions: dict[str, str]
     degradation: DegradationMonitor
-    sync_handle: Any
+    shards: list[Any]
     log_level: str
     pin_region: bool
     _finish: str | None
@@ -50,7 +50,7 @@ class MembershipDuty:
         self._requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._joining: set[str] = set()  # queued joins, until carried out
         self._leaving: dict[str, str] = {}  # learner -> why, until it has left
-        self._sync_leaves: dict[str, tuple[Any, str]] = {}  # synchronizer acks awaited
+        self._sync_leaves: dict[str, tuple[list[Any], str]] = {}  # shards' acks awaited
         self._retired: set[str] = set()
         self._drains_polled = 0.0
         self._schedule = list(cfg.elastic.schedule)  # the reference run's, on the run clock
@@ -126,23 +126,27 @@ class MembershipDuty:
         self._record_all(self.control.leave(name, now, reason))
         self._training_since.pop(name, None)
         self.slots[name].release()
-        self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
+        self._sync_leaves[name] = (self._leave_all(name), reason)
+
+    def _leave_all(self, name: str) -> list[Any]:
+        """Tell every shard that `name` left (shard 0 takes its data back)."""
+        return [h.leave.remote(name) for h in self.shards]
 
     def _collect_sync_leaves(self, now: float) -> None:
-        """Acknowledged leaves go on the tape with the data they gave back; failed calls (a
-        synchronizer being restored) are sent again."""
-        for name, (ref, reason) in list(self._sync_leaves.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if not ready:
+        """Acknowledged leaves go on the tape with the data they gave back (shard 0's answer);
+        failed calls (a shard being restored) are sent again."""
+        for name, (refs, reason) in list(self._sync_leaves.items()):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
                 continue
             try:
-                tokens = int(ray.get(ref))
+                tokens = [int(t) for t in ray.get(refs)]
             except ray.exceptions.RayError as err:
                 logger.info("leave of %s not acknowledged (%s); resending", name, err)
-                self._sync_leaves[name] = (self.sync_handle.leave.remote(name), reason)
+                self._sync_leaves[name] = (self._leave_all(name), reason)
                 continue
             del self._sync_leaves[name]
-            self._record(LearnerLeft(now, name, reason, tokens))
+            self._record(LearnerLeft(now, name, reason, tokens[0]))
 
     def _leave_draining_nodes(self, now: float) -> None:
         draining = draining_nodes()
@@ -163,4 +167,4 @@ class MembershipDuty:
                 return
             self._retired.add(name)
             self.slots[name].release()
-            self._sync_leaves[name] = (self.sync_handle.leave.remote(name), "retired: gave up")
+            self._sync_leaves[name] = (self._leave_all(name), "retired: gave up")

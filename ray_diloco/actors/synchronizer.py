@@ -1,7 +1,10 @@
-"""Layer: actors (Ray shell). The named, detached synchronizer actor.
+"""Layer: actors (Ray shell). The named, detached synchronizer actor (one per shard).
 
-It wraps one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fencing, ledger)
-and carries its decisions out with real time and real transport, mirroring
+A run's synchronizer may be split into shards (`synchronizer.num_shards`,
+actors/sync_shards.py): each is one of these actors, owning some fragments; shard 0 also hands
+out the data and runs the held-out evaluation, reading the other shards' fragments. It wraps
+one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fencing, ledger) and
+carries its decisions out with real time and real transport, mirroring
 `simulate._run_diloco`: offers go to `core.offer`, a background thread closes due rounds
 (`close_due` under the lock, `merge` outside it, `commit` under it) and publishes each merged
 fragment once with `ray.put` to its recipients (`diloco.publish_to`: the learners the round
@@ -15,11 +18,15 @@ delta into arrays in this process right away; the synchronizer never keeps a ref
 learner-owned object. Everything it keeps or sends (published fragments via `ray.put`) is owned
 by the synchronizer, so a learner's death can never take a global fragment with it.
 
-State is checkpointed with Orbax every `checkpoint_every_rounds` rounds (`sync_checkpoint.py`,
-on a thread of its own, so rounds keep closing) and on `shutdown()`, and restored in `__init__`
-(`sync_restore.py`) when a checkpoint of the same state digest exists (after a restart, or when
-a run dir of an interrupted run is resumed). Versions published since are numbered past on
-restore (`version_mark.py`): they never go back.
+A round counts (the status's rounds, `RoundClosed`, the version mark) once a learner received its
+publication (`deliveries.py`). State is checkpointed with Orbax (`sync_checkpoint.py`: on a thread
+of its own, so rounds keep closing) from `checkpoint_every_rounds / 2` rounds on, and a round closes
+only while the newest written checkpoint is fewer than `checkpoint_every_rounds` rounds behind:
+whenever the process dies, its checkpoint misses at most that many. Every committed round is also in
+the round log. A restarted shard restores its checkpoint and recovers the rounds since from the
+learners, which hold the newest publications (`sync_restore.py`, `SynchronizerCore`'s recovery):
+values and the ledger exactly, the outer momentum from the checkpoint. Each shard checkpoints and
+restores its own fragments; a dead shard stalls only those; versions never go back.
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
+from ray_diloco.actors.deliveries import Deliveries
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
-from ray_diloco.actors.sync_checkpoint import CheckpointWriter, published_rounds
-from ray_diloco.actors.sync_restore import restore
-from ray_diloco.actors.version_mark import VersionMark
+from ray_diloco.actors.sync_checkpoint import CheckpointWriter
+from ray_diloco.actors.sync_restore import ShardStore
+from ray_diloco.actors.sync_shards import shard_name
+from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
@@ -49,13 +58,14 @@ from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
 if TYPE_CHECKING:
-    from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.rounds import ContributionMeta, RoundClose
     from ray_diloco.algorithm.sync_core import Publication
     from ray_diloco.algorithm.wire import Encoded
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
+GATHER_TIMEOUT_S = 60.0  # the other shards' fragments for an evaluation (a dead one: skipped)
 
 
 def config_digest(cfg: RunConfig) -> str:
@@ -68,44 +78,60 @@ def config_digest(cfg: RunConfig) -> str:
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
 class Synchronizer:
-    def __init__(self, cfg: RunConfig, log_level: str = "WARNING") -> None:
+    def __init__(self, cfg: RunConfig, shard: int = 0, log_level: str = "WARNING") -> None:
         setup_logging(log_level)
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
         from ray_diloco.algorithm import links, sync_core
         from ray_diloco.algorithm.setup import Setup
+        from ray_diloco.algorithm.shards import assign_fragments
 
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
-        self.cfg = cfg
+        self.cfg, self.shard = cfg, shard
         self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread
         self._lock = threading.Lock()
+        self._eval_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self.setup = Setup.build(cfg)
-        self.core = sync_core.SynchronizerCore(cfg, self.setup.plan, self.setup.init)
+        owned = assign_fragments(self.setup.plan.sizes, cfg.synchronizer.num_shards)[shard]
+        self.core = sync_core.SynchronizerCore(
+            cfg, self.setup.plan, self.setup.init, owned, owns_data=shard == 0
+        )
+        self.setup.init = {}  # the core copied its fragments; the rest would only take memory
+        self._others: list[Any] | None = None  # the other shards (shard 0 evaluates)
         self.journal = Journal()
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self.hosts: dict[str, list[Any]] = {}
         self.regions = {lg.name: lg.region for lg in cfg.learners}
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
         self.finished_at: float | None = None
-        self.restored: dict[str, Any] | None = None
-        self.versions_mark: VersionMark | None = None
-        self.checkpoints: CheckpointWriter | None = None
-        if cfg.checkpoint.enabled:
-            checkpointer, self.restored, self.versions_mark = restore(cfg, self.core, self._now())
-            self.checkpoints = CheckpointWriter(cfg, checkpointer, self._lock, self.core)
+        self.store = (
+            ShardStore(cfg, shard, self.core, self._now()) if cfg.checkpoint.enabled else None
+        )
+        self.restored: dict[str, Any] | None = self.store.restored if self.store else None
+        self.checkpoints = (
+            CheckpointWriter(cfg, self.store, self._lock, self.core, self._wake.set)
+            if self.store is not None
+            else None
+        )
+        # The newest version of each fragment a learner received: what `rounds` counts.
+        self.delivered = self.core.book.versions()
+        self._closing: dict[tuple[int, int], RoundClosed] = {}  # committed, not yet delivered
         # Per learner: the incarnation and versions it registered with, and the incarnation
         # and step of its last merged contribution (the supervisor detects rejoins from them).
         self.registered: dict[str, dict[str, Any]] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
+        self._eval_thread: threading.Thread | None = None
         self._links = DelayedCalls("publish-links")
+        self.deliveries = Deliveries(self._delivered)
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
 
     def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
-        return f"Synchronizer(run={self.cfg.name})"
+        shard = f", shard={self.shard}" if self.cfg.synchronizer.num_shards > 1 else ""
+        return f"Synchronizer(run={self.cfg.name}{shard})"
 
     # -- control group: membership and progress -----------------------------------------------
 
@@ -116,29 +142,42 @@ class Synchronizer:
         incarnation: int,
         host_handles: list[Any],
         region: str = LOCAL_REGION,
-        held: tuple[list[tuple[int, int, int]], int, int] | None = None,
+        held: tuple[Any, ...] | None = None,
     ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
         latest published version of every fragment, its data (cursor, offset into the first
-        lease, leases) and the fragment plan (one source for every learner). `held`: what a
-        learner that kept training through this synchronizer's restore already holds."""
+        lease, leases), the fragment plan (one source for every learner) and `wanted`: per
+        fragment being recovered, the newest version found so far (a learner holding a newer
+        one hands it over with `provide`).
+        `held`: what a learner that kept training through this shard's restart holds (leases,
+        offset, cursor, and the newest version of each fragment)."""
         from ray_diloco.algorithm.leases import Lease
 
         with self._lock:
             kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
             a = self.core.register(learner, incarnation, self._now(), kept)
             self._mark_leases()
+            if self.store is not None:
+                versions = held[3] if held is not None and len(held) > 3 else {}
+                self.store.registered(learner, versions)
             self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
             self.hosts[learner] = list(host_handles)
             self.regions[learner] = region
             snapshot = self.core.snapshot()
+            wanted = self.core.wanted()
             plan = self.setup.plan
         logger.info(
             "registered learner %s incarnation %d at cursor %d", learner, incarnation, a.cursor
         )
         finished = self.finished_at is not None
         data = (a.cursor, a.offset, [lease.as_tuple() for lease in a.leases])
-        return {"snapshot": snapshot, "data": data, "plan": plan, "finished": finished}
+        return {
+            "snapshot": snapshot,
+            "wanted": wanted,
+            "data": data,
+            "plan": plan,
+            "finished": finished,
+        }
 
     @ray.method(concurrency_group="control")
     def leave(self, learner: str) -> int:
@@ -156,9 +195,9 @@ class Synchronizer:
     def _mark_leases(self) -> None:
         """Persist the pool's frontiers and holders before leases leave this process and when
         a learner leaves (under the lock)."""
-        if self.versions_mark is not None:
+        if self.store is not None:
             pool = self.core.ledger.pool
-            self.versions_mark.update(frontier=pool.frontier, holders=list(pool.holders))
+            self.store.mark.update(frontier=pool.frontier, holders=list(pool.holders))
 
     @ray.method(concurrency_group="control")
     def report(
@@ -169,12 +208,16 @@ class Synchronizer:
         step_time_s: float | None,
         cursor: int,
         loss: float | None,
+        dropped: int = 0,
     ) -> dict[str, Any]:
         """A progress report (the heartbeat). `ok` False: this incarnation is fenced (or the
         synchronizer restarted and wants it to register again). `stop`: the budget is spent.
-        `leases`: data added to keep the learner supplied."""
+        `leases`: data added to keep the learner supplied. `dropped`: tokens of contributions
+        the learner could not send before it adopted a newer version (learner_channel.py)."""
         with self._lock:
             leases = self.core.report(learner, incarnation, self._now(), step_time_s, cursor)
+            if leases is not None:
+                self.core.ledger.record_dropped(learner, dropped)
             ok = leases is not None
             if ok:
                 self.journal.progress(learner, step, cursor, loss, step_time_s)
@@ -197,6 +240,9 @@ class Synchronizer:
             events, seq = self.journal.events_since(since_event)
             return {
                 "run": self.cfg.name,
+                "shard": self.shard,
+                "fragments": list(self.core.owned),
+                "rss_mb": psutil.Process().memory_info().rss / 2**20,
                 "started_at": self.started_at,
                 "config_digest": config_digest(self.cfg),
                 "num_params": self.setup.num_params(),
@@ -213,6 +259,9 @@ class Synchronizer:
                 "bytes_down": dict(core.bytes_down),
                 "rejected": dict(core.rejected),
                 "ledger_violations": core.ledger.violations(),
+                "tokens_dropped": core.ledger.tokens_dropped,
+                "recovering": sorted(core.recovering),
+                "checkpoint_writing": self.checkpoints is not None and self.checkpoints.writing,
                 "learners": self.journal.learner_table(),
                 "finished": self.finished_at is not None,
                 "restored": self.restored,
@@ -239,6 +288,7 @@ class Synchronizer:
         self._wake.set()
         self._thread.join(timeout=30)
         self._links.close()
+        self.deliveries.close()
         return self._checkpoint_now()
 
     # -- data group: contributions, evaluation, checkpoints -----------------------------------
@@ -274,8 +324,42 @@ class Synchronizer:
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:
-        """Held-out loss of the global parameters now (recorded in the history)."""
-        return self._evaluate()
+        """Held-out loss of the global parameters now (recorded in the history); shard 0
+        only (it reads the other shards' fragments)."""
+        loss = self._evaluate()
+        if loss is None:
+            raise RuntimeError("synchronizer: another shard did not hand over its fragments")
+        return loss
+
+    @ray.method(concurrency_group="control")
+    def fragment_values(self) -> tuple[dict[str, Any], int]:
+        """This shard's global values and its closed rounds, for shard 0's evaluation."""
+        with self._lock:
+            return self.core.global_params(), self.rounds()
+
+    @ray.method(concurrency_group="data")
+    def provide(
+        self, learner: str, incarnation: int, fragment: int, version: int, encoded: Any
+    ) -> bool:
+        """A learner hands over the value of `fragment` at `version` (the publication it
+        holds), which this shard, restarted, wants back. True when taken."""
+        from ray_diloco.algorithm.wire import decode_tree
+
+        values = decode_tree(encoded)
+        with self._lock:
+            taken = fragment in self.core.recovering and version > self.core.wanted()[fragment]
+            if self.core.provide(fragment, version, values):
+                self._finish_recovery(fragment)
+        logger.info(
+            "learner %s incarnation %d handed over fragment %d version %d (%s)",
+            learner,
+            incarnation,
+            fragment,
+            version,
+            "taken" if taken else "not needed",
+        )
+        self._wake.set()
+        return taken
 
     @ray.method(concurrency_group="data")
     def checkpoint(self) -> str | None:
@@ -285,22 +369,30 @@ class Synchronizer:
     def _checkpoint_now(self) -> str | None:
         return self.checkpoints.write() if self.checkpoints is not None else None
 
+    @ray.method(concurrency_group="control")
+    def begin_checkpoint(self) -> bool:
+        """Start writing a checkpoint in the background (chaos: a kill timed to land while
+        one is being written). False when one is being written already."""
+        return self.checkpoints.in_background() if self.checkpoints is not None else False
+
     # -- the round thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        self._evaluate()  # the starting point of the loss curve; compiles the eval function
+        if self.shard == 0:
+            self._evaluate()  # the starting point of the loss curve; compiles the eval function
         last_eval, last_eval_rounds = time.monotonic(), 0
         while not self._stop.is_set():
             self._wake.wait(timeout=self._idle_s())
             self._wake.clear()
             try:
+                self._recover()
                 self._close_rounds()
                 rounds = self.rounds()
                 if self.checkpoints is not None:
-                    self.checkpoints.when_due(rounds)
+                    self.checkpoints.when_due()
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
-                if due and rounds != last_eval_rounds:  # nothing to evaluate when idle
-                    self._evaluate()
+                if self.shard == 0 and due and rounds != last_eval_rounds:  # not when idle
+                    self._evaluate_in_background()
                     last_eval, last_eval_rounds = time.monotonic(), rounds
             except Exception:  # the thread must survive anything a round throws
                 logger.exception("synchronizer round thread")
@@ -311,11 +403,32 @@ class Synchronizer:
             return IDLE_POLL_S
         return min(IDLE_POLL_S, max(0.0, deadline - self._now()))
 
+    def _recover(self) -> None:
+        """End the recoveries that can end (a restarted shard's fragments)."""
+        if self.store is None or not self.core.recovering:
+            return
+        with self._lock:
+            for p in self.store.due():
+                self._finish_recovery(p)
+
+    def _finish_recovery(self, fragment: int) -> None:
+        """Adopt the fragment's newest value found (under the lock)."""
+        assert self.store is not None
+        self.store.finish(fragment)
+        adopted = self.store.restored["adopted"][fragment]  # type: ignore[index]
+        self.delivered[fragment] = adopted
+        # Every number the fragment may carry anywhere (the new one included) is in the mark.
+        self.store.mark.update({fragment: self.core.book.versions()[fragment]})
+
     def _close_rounds(self) -> None:
         with self._lock:
             if self.finished_at is not None:
                 return
-            closes = self.core.close_due(self._now())
+            room = self.checkpoints.room() if self.checkpoints is not None else None
+            if self.checkpoints is not None and room is not None and room <= 0:
+                self.checkpoints.in_background()  # rounds wait for it (it wakes this thread)
+                return
+            closes = self.core.close_due(self._now(), room)
         for close in closes:
             try:
                 started = time.perf_counter()
@@ -330,26 +443,46 @@ class Synchronizer:
                 self.core.commit(pub, self._now())
                 for c in close.contributions:
                     self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
-                if self.versions_mark is not None:  # before the version leaves this process
-                    self.versions_mark.update(self.core.book.versions())
+                if self.store is not None:  # before the version leaves this process
+                    cursors = {
+                        n: self.core.ledger.account(n).cursor for n in self._contributors(close)
+                    }
+                    self.store.log.append(LoggedRound.of(close, cursors))
                 active = self._targets()
                 targets = {n: active[n] for n in self.core.recipients(pub, active)}
                 live = len(self.core.book.live(self._now()))
                 for learner in targets:
                     self.core.sent(learner, pub.nbytes)
-                self.journal.record(
-                    RoundClosed(
-                        time.time(),
-                        pub.fragment,
-                        pub.version,
-                        len(close.contributions),
-                        close.num_tokens,
-                        close.grace_s,
-                        close.closed_s - close.quorum_s,
-                    )
+                self._closing[(pub.fragment, pub.version)] = RoundClosed(
+                    time.time(),
+                    pub.fragment,
+                    pub.version,
+                    len(close.contributions),
+                    close.num_tokens,
+                    close.grace_s,
+                    close.closed_s - close.quorum_s,
+                    self.shard,
                 )
-            self._publish(pub.fragment, pub.version, pub.encoded, targets)
+            sends = sum(len(handles) for handles in targets.values())
+            self.deliveries.expect(pub.fragment, pub.version, sends)
+            self._publish(pub.fragment, pub.version, pub.encoded, targets, track=True)
             self._round_metrics(pub, live)
+
+    @staticmethod
+    def _contributors(close: RoundClose) -> list[str]:
+        return [c.meta.learner for c in close.contributions]
+
+    def _delivered(self, fragment: int, version: int) -> None:
+        """A learner holds `version` of `fragment` (the deliveries thread): the round
+        counts, and the version mark says it (a restart recovers it from the learners)."""
+        with self._lock:
+            for key in sorted(k for k in self._closing if k[0] == fragment and k[1] <= version):
+                self.journal.record(self._closing.pop(key))
+            if version <= self.delivered.get(fragment, 0):
+                return
+            self.delivered[fragment] = version
+            if self.store is not None:
+                self.store.mark.update({fragment: version})
 
     def _targets(self) -> dict[str, list[Any]]:
         """Hosts of every registered learner that is not fenced or retired. Like the
@@ -363,7 +496,9 @@ class Synchronizer:
         version: int,
         encoded: dict[str, Encoded],
         targets: dict[str, list[Any]],
+        track: bool = False,
     ) -> None:
+        """Send a fragment to `targets`; `track`: a round's publication (`deliveries`)."""
         ref = ray.put(encoded)  # owned by the synchronizer, shared by every send
         nbytes = tree_bytes(encoded)
         now = time.monotonic()
@@ -372,9 +507,15 @@ class Synchronizer:
             region = self.regions.get(learner, LOCAL_REGION)
             delay = self._wan.arrival(region, "down", nbytes, now) - now
             for host in handles:
-                send = functools.partial(_send, host, fragment, version, ref)
+                send = functools.partial(self._send, host, fragment, version, ref, track)
                 self._links.call_later(delay, send)
             self.metrics.link_bytes(learner, region, "down", nbytes)
+
+    def _send(self, host: Any, fragment: int, version: int, ref: Any, track: bool) -> None:
+        # A learner that is down gets the latest version when it registers again.
+        call = host.receive.remote(fragment, version, ref)
+        if track:
+            self.deliveries.sent(fragment, version, call)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics
@@ -387,48 +528,87 @@ class Synchronizer:
         m.live_learners(live)
         m.synchronizer_memory(psutil.Process().memory_info().rss)
 
-    def _evaluate(self) -> float:
-        with self._lock:
-            tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
-        loss = self.setup.evaluate(self.core.global_params())
-        with self._lock:
-            self.journal.eval_point(tokens, rounds, loss)
-            self.journal.record(HeldoutEvaluated(time.time(), tokens, rounds, loss))
+    def _evaluate_in_background(self) -> None:
+        """A periodic evaluation on its own thread: gathering the other shards' fragments
+        (or one that is down) must not hold this shard's rounds up."""
+        if self._eval_thread is not None and self._eval_thread.is_alive():
+            return
+        self._eval_thread = threading.Thread(target=self._evaluate, name="evaluate", daemon=True)
+        self._eval_thread.start()
+
+    def _evaluate(self) -> float | None:
+        """Evaluate and record the global parameters (None: a shard did not answer)."""
+        with self._eval_lock:
+            with self._lock:
+                tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
+            params = self.core.global_params()
+            try:
+                for values, shard_rounds in self._gather():
+                    params.update(values)
+                    rounds += shard_rounds
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+                logger.warning("evaluation skipped: a shard's fragments are missing (%s)", err)
+                return None
+            loss = self.setup.evaluate(params)
+            with self._lock:
+                self.journal.eval_point(tokens, rounds, loss)
+                self.journal.record(HeldoutEvaluated(time.time(), tokens, rounds, loss))
         self.metrics.heldout_loss(loss)
         return loss
+
+    def _gather(self) -> list[tuple[dict[str, Any], int]]:
+        """The other shards' fragments and rounds (none with one shard)."""
+        if self._others is None:
+            ns = self.cfg.synchronizer.namespace
+            self._others = [
+                ray.get_actor(shard_name(self.cfg, s), namespace=ns)
+                for s in range(1, self.cfg.synchronizer.num_shards)
+            ]
+        refs = [h.fragment_values.remote() for h in self._others]
+        return list(ray.get(refs, timeout=GATHER_TIMEOUT_S)) if refs else []
 
     # -- helpers ------------------------------------------------------------------------------
 
     def rounds(self) -> int:
-        return published_rounds(self.core)
+        """Rounds that reached a learner (the sum of the newest delivered versions)."""
+        return sum(self.delivered.values())
 
     def _now(self) -> float:
         return time.monotonic()
 
 
-def _send(host: Any, fragment: int, version: int, ref: Any) -> None:
-    # Fire and forget: a learner that is down gets the latest version when it registers again.
-    host.receive.remote(fragment, version, ref)
-
-
-def synchronizer_options(cfg: RunConfig) -> dict[str, Any]:
-    """The named, detached, restartable actor pinned to the head. `synchronizer.region` names
-    the head's region (for the links and `ray-diloco plan`); a region selector alone could put
-    the synchronizer on a TPU host of that region."""
+def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:
+    """Shard `shard`: named, detached and restartable, pinned to the head, or spread over the
+    nodes `synchronizer.placement` selects. `synchronizer.region` names the head's region (for
+    the links and `ray-diloco plan`); a region selector alone could put a shard on a TPU host of
+    that region."""
     s = cfg.synchronizer
+    where = s.placement
+    placement: dict[str, Any]
+    if where.pinned:
+        placement = {"num_cpus": where.num_cpus, "scheduling_strategy": "SPREAD"}
+        if where.resources:
+            placement["resources"] = dict(where.resources)
+        if where.labels:
+            placement["label_selector"] = dict(where.labels)
+    else:
+        placement = {"num_cpus": 0, **head_pin_options()}
     return {
-        "name": s.name,
+        "name": shard_name(cfg, shard),
         "namespace": s.namespace,
         "lifetime": "detached",
         "get_if_exists": True,
         "max_restarts": -1,
         "max_task_retries": -1,
-        "num_cpus": 0,
         # The synchronizer does no forward/backward: never let JAX grab an accelerator.
         "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
-        **head_pin_options(),
+        **placement,
     }
 
 
-def get_or_create_synchronizer(cfg: RunConfig, log_level: str = "WARNING") -> Any:
-    return Synchronizer.options(**synchronizer_options(cfg)).remote(cfg, log_level)  # type: ignore[attr-defined]
+def create_synchronizer(cfg: RunConfig, log_level: str = "WARNING") -> list[Any]:
+    """Every shard of the run's synchronizer (existing ones are returned as they are)."""
+    return [
+        Synchronizer.options(**synchronizer_options(cfg, shard)).remote(cfg, shard, log_level)  # type: ignore[attr-defined]
+        for shard in range(cfg.synchronizer.num_shards)
+    ]

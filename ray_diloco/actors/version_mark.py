@@ -1,13 +1,12 @@
-"""Layer: actors (Ray shell; this module itself is plain Python). The synchronizer's
-high-water marks, on disk: the highest version of each fragment it ever published, how far
+"""Layer: actors (Ray shell; this module itself is plain Python). A synchronizer shard's
+high-water marks, on disk: the newest version of each fragment a learner received, how far
 into each part of the data it ever leased and who held leases then (algorithm/leases.py).
 
-Checkpoints are taken every `checkpoint_every_rounds` rounds, so a synchronizer that dies
-publishes versions its checkpoint does not hold. Rewriting this small JSON file at every commit
-(write to a temporary file, then an atomic rename) lets the reconstructed synchronizer number
-its restored fragments above everything learners may have seen
-(`SynchronizerCore.resume_versions`): versions never go backwards and the lost rounds are
-counted; restoring the data pool with the mark (`DataPool.restore_mark`) means a range handed
+Checkpoints lag the rounds, so a shard that dies has delivered versions its checkpoint does
+not hold. Rewriting this small JSON file at every delivery and lease (write to a temporary
+file, then an atomic rename) tells the reconstructed shard which fragments to recover from the
+learners and which numbers are taken (`SynchronizerCore.start_recovery`: versions never go
+backwards); restoring the data pool with the mark (`DataPool.restore_mark`) means a range handed
 out after the checkpoint is handed out again only once nobody can hold it. It lives inside
 the checkpoint directory (Orbax ignores files that are not step directories), so it disappears
 with the checkpoints of a finished run.
@@ -29,7 +28,7 @@ FILE_NAME = "versions.json"
 
 @dataclass
 class Mark:
-    versions: dict[int, int] = field(default_factory=dict)  # fragment -> newest published
+    versions: dict[int, int] = field(default_factory=dict)  # fragment -> newest delivered
     frontier: list[int] = field(default_factory=list)  # per data part: first token never leased
     holders: list[str] = field(default_factory=list)  # learners holding leases
 
@@ -46,11 +45,11 @@ class VersionMark:
         frontier: list[int] | None = None,
         holders: list[str] | None = None,
     ) -> None:
-        """Record the versions just published (call before the publication leaves) and/or
-        the data pool's frontiers and holders (call before leases leave, and at a leave)."""
+        """Record the newest versions of some fragments (the others keep theirs) and/or the
+        data pool's frontiers and holders (call before leases leave, and at a leave)."""
         m = self._mark
         if versions is not None:
-            m.versions = {int(p): int(v) for p, v in versions.items()}
+            m.versions |= {int(p): int(v) for p, v in versions.items()}
         if frontier is not None:
             m.frontier = [int(f) for f in frontier]
         if holders is not None:

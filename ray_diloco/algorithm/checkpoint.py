@@ -31,7 +31,7 @@ ARRAYS, META = "arrays", "meta"
 
 def state_digest(cfg: RunConfig) -> str:
     """Digest of what shapes the synchronizer's state (task, seed, fragments, outer
-    optimizer): a checkpoint is restored only into a run with the same digest."""
+    optimizer, shards): a checkpoint is restored only into a run with the same digest."""
     shape = {
         "seed": cfg.seed,
         "task": cfg.task,
@@ -39,6 +39,8 @@ def state_digest(cfg: RunConfig) -> str:
         "outer": cfg.outer.model_dump(mode="json"),
         "num_fragments": cfg.diloco.num_fragments,
     }
+    if cfg.synchronizer.num_shards > 1:  # (absent for one: older checkpoints still restore)
+        shape["num_shards"] = cfg.synchronizer.num_shards
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -105,14 +107,14 @@ def sync_state_to_tree(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
     """Split `SynchronizerCore.state_dict()` into arrays (string keys only, as Orbax wants)
     and JSON metadata. Outer optimizer states are stored as their flat leaf lists."""
     arrays = {
-        "values": {str(p): dict(v) for p, v in enumerate(state["values"])},
+        "values": {str(p): dict(v) for p, v in state["values"].items()},
         "outer": {
             str(p): {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(s))}
-            for p, s in enumerate(state["outer_states"])
+            for p, s in state["outer_states"].items()
         },
         "published": {
             str(p): {str(v): dict(vals) for v, vals in hist.items()}
-            for p, hist in enumerate(state["published"])
+            for p, hist in state["published"].items()
         },
     }
     meta = {
@@ -125,23 +127,22 @@ def sync_state_to_tree(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
 
 
 def sync_state_from_tree(
-    arrays: Mapping[str, Any], meta: Mapping[str, Any], outer_templates: list[Any]
+    arrays: Mapping[str, Any], meta: Mapping[str, Any], outer_templates: Mapping[int, Any]
 ) -> dict[str, Any]:
-    """Inverse of `sync_state_to_tree`; `outer_templates` (a fresh core's `outer_states`) give
-    the optimizer states' structure back."""
-    num = len(outer_templates)
-    outer = []
-    for p in range(num):
+    """Inverse of `sync_state_to_tree`; `outer_templates` (a fresh core's `outer_states`, one
+    per fragment it owns) give the optimizer states' structure back."""
+    outer = {}
+    for p, template in outer_templates.items():
         leaves = arrays["outer"][str(p)]
         flat = [np.asarray(leaves[str(i)]) for i in range(len(leaves))]
-        outer.append(jax.tree.unflatten(jax.tree.structure(outer_templates[p]), flat))
+        outer[p] = jax.tree.unflatten(jax.tree.structure(template), flat)
     return {
-        "values": [dict(arrays["values"][str(p)]) for p in range(num)],
+        "values": {p: dict(arrays["values"][str(p)]) for p in outer_templates},
         "outer_states": outer,
-        "published": [
-            {int(v): dict(vals) for v, vals in arrays["published"][str(p)].items()}
-            for p in range(num)
-        ],
+        "published": {
+            p: {int(v): dict(vals) for v, vals in arrays["published"][str(p)].items()}
+            for p in outer_templates
+        },
         "book": meta["book"],
         "ledger": meta["ledger"],
         "bytes_up": meta["bytes_up"],

@@ -183,6 +183,17 @@ class LearnerCore:
         for p, (version, values) in snapshot.items():
             self._overwrite(p, version, values, alpha=0.0)
 
+    def held(self) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
+        """The newest publication of each fragment this learner holds (applied, or received
+        for the next step boundary): what a restarted synchronizer recovers from."""
+        out: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {
+            p: (v, self.base_values[p]) for p, v in enumerate(self.base_version)
+        }
+        for p, (version, values) in list(self.inbox.items()):
+            if version > out[p][0]:
+                out[p] = (version, values)
+        return out
+
     def receive(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> None:
         """Hold a published fragment until the next step boundary (`apply_received`)."""
         held = self.inbox.get(fragment)

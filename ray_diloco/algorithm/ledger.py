@@ -22,6 +22,7 @@ class LearnerAccount:
     cursor: int = 0
     merged: dict[int, int] = field(default_factory=dict)
     contributions: int = 0
+    dropped: int = 0  # tokens of contributions the learner dropped unsent (a slow synchronizer)
 
 
 class TokenLedger:
@@ -39,19 +40,34 @@ class TokenLedger:
 
     def record_progress(self, learner: str, cursor: int) -> list[Lease]:
         """A progress report; returns the leases that keep the learner supplied."""
+        return self.pool.advance(learner, self.record_cursor(learner, cursor))
+
+    def record_cursor(self, learner: str, cursor: int) -> int:
+        """The learner's cursor, as a report states it (without handing out data)."""
         acct = self.account(learner)
         # Reports can arrive out of order across concurrency groups; the cursor only grows.
         acct.cursor = max(acct.cursor, cursor)
-        return self.pool.advance(learner, acct.cursor)
+        return acct.cursor
+
+    def record_dropped(self, learner: str, tokens: int) -> None:
+        """The learner's count of tokens it trained but never got to offer (cumulative)."""
+        acct = self.account(learner)
+        acct.dropped = max(acct.dropped, tokens)
 
     def leave(self, learner: str) -> list[Lease]:
         """A learner left for good: its unread leases go back to the pool."""
         return self.pool.leave(learner)
 
     def record_merge(self, close: RoundClose) -> None:
-        for c in close.contributions:
-            acct = self.account(c.meta.learner)
-            acct.merged[close.fragment] = acct.merged.get(close.fragment, 0) + c.num_tokens
+        self.record_merged(
+            close.fragment, [(c.meta.learner, c.num_tokens) for c in close.contributions]
+        )
+
+    def record_merged(self, fragment: int, merged: list[tuple[str, int]]) -> None:
+        """Tokens of each (learner, tokens) contribution a round of `fragment` merged."""
+        for learner, tokens in merged:
+            acct = self.account(learner)
+            acct.merged[fragment] = acct.merged.get(fragment, 0) + tokens
             acct.contributions += 1
 
     def resume_cursor(self, learner: str) -> int:
@@ -60,6 +76,10 @@ class TokenLedger:
     @property
     def tokens_trained(self) -> int:
         return sum(a.cursor for a in self.accounts.values())
+
+    @property
+    def tokens_dropped(self) -> int:
+        return sum(a.dropped for a in self.accounts.values())
 
     def tokens_merged(self, fragment: int) -> int:
         return sum(a.merged.get(fragment, 0) for a in self.accounts.values())
@@ -76,7 +96,12 @@ class TokenLedger:
 
     def state_dict(self) -> dict[str, Any]:
         accounts = {
-            name: {"cursor": a.cursor, "merged": a.merged, "contributions": a.contributions}
+            name: {
+                "cursor": a.cursor,
+                "merged": a.merged,
+                "contributions": a.contributions,
+                "dropped": a.dropped,
+            }
             for name, a in self.accounts.items()
         }
         return {"accounts": accounts, "pool": self.pool.state_dict()}
@@ -89,6 +114,7 @@ class TokenLedger:
                 cursor=int(s["cursor"]),
                 merged={int(p): int(t) for p, t in s["merged"].items()},
                 contributions=int(s["contributions"]),
+                dropped=int(s.get("dropped", 0)),
             )
             for name, s in state.items()
         }

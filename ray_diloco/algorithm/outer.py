@@ -2,11 +2,15 @@
 the synchronizer to each fragment's global value with the merged outer gradient, one optimizer
 state per fragment. Implements algorithm.md section 6.
 
-The synchronizer keeps values and optimizer state on the host, so `outer_step` takes and returns
-NumPy float32 arrays (state leaves too) whatever optax computes with internally.
+The arithmetic is optax's `sgd(lr, momentum, nesterov)` (`optax.trace` then a scale by -lr,
+in float32, operation for operation; `tests/unit/test_outer.py` pins it to optax), written in
+NumPy over cache-sized chunks: the synchronizer keeps values and state on the host, and one
+fused pass per chunk is several times faster than dispatching optax's array operations (the
+outer step runs once per round on a whole fragment, see `benchmarks/synchronizer.py`). The
+state is `{"trace": {leaf: float32 array}}`, the leaves optax's state holds, in the same order.
 
 Example, one step from 0 with the defaults (lr 0.7, momentum 0.9, Nesterov) and gradient 1:
-optax's Nesterov update is `g + momentum * trace` with `trace = g + momentum * trace_prev`, so
+the Nesterov update is `g + momentum * trace` with `trace = g + momentum * trace_prev`, so
 the first step moves by `-0.7 * (1 + 0.9 * 1) = -1.33`.
 
 >>> import numpy as np
@@ -22,56 +26,83 @@ array([-1.33, -1.33], dtype=float32)
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
-import optax
 from numpy.typing import ArrayLike
 
+from ray_diloco.algorithm.chunks import CHUNK, F32
 from ray_diloco.config import OuterOptimizerConfig
 
 
-def make_outer_optimizer(cfg: OuterOptimizerConfig) -> optax.GradientTransformation:
-    """`optax.sgd(lr, momentum, nesterov)`. The momentum trace is kept even when momentum is 0
-    so the state has the same structure for every config (checkpoints stay comparable)."""
-    return optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """SGD with (Nesterov) momentum. The momentum trace is kept even when momentum is 0 so the
+    state has the same structure for every config (checkpoints stay comparable)."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+
+
+def make_outer_optimizer(cfg: OuterOptimizerConfig) -> OuterOptimizer:
+    return OuterOptimizer(cfg.lr, cfg.momentum, cfg.nesterov)
 
 
 def _host(values: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
-    return {path: np.asarray(v, dtype=np.float32) for path, v in values.items()}
+    return {path: np.asarray(v, dtype=F32) for path, v in values.items()}
 
 
-def _host_state(state: Any) -> Any:
-    # optax builds its state with jnp; the synchronizer pickles and checkpoints it, so keep it as
-    # plain NumPy (the same bytes, no device buffers).
-    return jax.tree.map(np.asarray, state)
-
-
-def init_outer_state(tx: optax.GradientTransformation, values: Mapping[str, ArrayLike]) -> Any:
+def init_outer_state(tx: OuterOptimizer, values: Mapping[str, ArrayLike]) -> dict[str, Any]:
     """Fresh outer optimizer state for one fragment (zero momentum), with NumPy leaves."""
-    return _host_state(tx.init(_host(values)))
+    return {"trace": {path: np.zeros(np.shape(v), F32) for path, v in values.items()}}
 
 
 def outer_step(
-    tx: optax.GradientTransformation,
+    tx: OuterOptimizer,
     values: Mapping[str, ArrayLike],
-    opt_state: Any,
+    opt_state: Mapping[str, Any],
     outer_grad: Mapping[str, ArrayLike],
-) -> tuple[dict[str, np.ndarray], Any]:
-    """One outer step on a fragment: `G <- G + tx.update(outer_grad)`.
+    grad_scale: Mapping[str, float] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One outer step on a fragment: `trace <- g + momentum * trace`, `G <- G - lr * u` with
+    `u = g + momentum * trace` (Nesterov) or `u = trace`.
 
     `outer_grad` is the merged `G - theta` (merge.outer_gradient), a descent direction, so with
-    lr 1 and no momentum the new value is the merged learner value. Returns float32 NumPy values
-    and NumPy state; the inputs are not modified.
-    """
+    lr 1 and no momentum the new value is the merged learner value; `grad_scale[leaf]`, when
+    given, multiplies it first (merge.scaled_outer_gradient leaves that to this pass). Returns
+    float32 NumPy values and a new state; the inputs are not modified (a checkpoint may be
+    reading the old state)."""
     if values.keys() != outer_grad.keys():
         raise ValueError(
             f"outer_step: outer gradient leaves {sorted(outer_grad)} differ from the "
             f"fragment's {sorted(values)}"
         )
-    params = _host(values)
-    grads = _host({path: outer_grad[path] for path in params})
-    updates, new_state = tx.update(grads, opt_state, params)
-    new_values = optax.apply_updates(params, updates)
-    return _host(new_values), _host_state(new_state)
+    params, grads = _host(values), _host(outer_grad)
+    traces: dict[str, np.ndarray] = {}
+    new_values: dict[str, np.ndarray] = {}
+    mu, neg_lr = F32(tx.momentum), F32(-tx.lr)
+    for path, g_value in params.items():
+        shape = g_value.shape
+        g_flat, grad = g_value.reshape(-1), grads[path].reshape(-1)
+        old = np.asarray(opt_state["trace"][path], F32).reshape(-1)
+        trace, new = np.empty_like(old), np.empty_like(g_flat)
+        tmp, scaled = np.empty((2, min(CHUNK, g_flat.size)), F32)
+        scale = None if grad_scale is None or grad_scale[path] == 1.0 else F32(grad_scale[path])
+        for s in range(0, g_flat.size, CHUNK):
+            e = min(s + CHUNK, g_flat.size)
+            t, u, gc = trace[s:e], tmp[: e - s], grad[s:e]
+            if scale is not None:
+                gc = np.multiply(gc, scale, out=scaled[: e - s])
+            np.multiply(old[s:e], mu, out=t)
+            t += gc
+            if tx.nesterov:
+                np.multiply(t, mu, out=u)
+                u += gc
+                u *= neg_lr
+            else:
+                np.multiply(t, neg_lr, out=u)
+            np.add(g_flat[s:e], u, out=new[s:e])
+        traces[path], new_values[path] = trace.reshape(shape), new.reshape(shape)
+    return new_values, {"trace": traces}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,7 @@ class Verdict(enum.StrEnum):
     NON_FINITE = "non_finite"
     NORM_OUTLIER = "norm_outlier"
     MALFORMED = "malformed"
+    RECOVERING = "recovering"  # the fragment's shard is adopting its newest value after a restart
 
 
 @dataclass
@@ -153,14 +155,19 @@ class RoundBook:
         num_fragments: int,
         sync_time_s: float = 0.0,
         roster: set[str] | None = None,
+        owned: Iterable[int] | None = None,
     ) -> None:
         self.policy = policy
-        self.fragments = [_FragmentState() for _ in range(num_fragments)]
+        # The fragments whose rounds this book runs (a synchronizer shard owns some of them).
+        ids = range(num_fragments) if owned is None else sorted(owned)
+        self.fragments = {p: _FragmentState() for p in ids}
         self.members: dict[str, _Member] = {}
         self.sync_time_s = sync_time_s  # EMA of merge + publish time
         # The learners in the run (the configured ones, joined, not yet left): K never exceeds
         # their number. None: a fixed K, whoever registers.
         self.roster = set(roster) if roster is not None else None
+        # Fragments whose value is being recovered after a restart: no round closes for them.
+        self.held: set[int] = set()
 
     # -- membership (section 7) -------------------------------------------------------------
 
@@ -175,8 +182,11 @@ class RoundBook:
         self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
         if self.roster is not None:
             self.roster.add(learner)
-        for frag in self.fragments:  # the new incarnation adopts every fragment afresh
-            frag.merged.pop(learner, None)
+        if old is None or incarnation != old.incarnation:
+            for frag in self.fragments.values():  # a new incarnation adopts every one afresh
+                frag.merged.pop(learner, None)
+        # (The same incarnation registering again kept training through a synchronizer
+        # restart: its counters still hold the work the restored book says was merged.)
         return self.versions()
 
     def heartbeat(
@@ -204,7 +214,7 @@ class RoundBook:
             self.members[learner].active = False
         if self.roster is not None:
             self.roster.discard(learner)
-        for frag in self.fragments:
+        for frag in self.fragments.values():
             if not frag.merging and frag.pending:
                 self._maybe_reach_quorum(frag, now)
 
@@ -221,7 +231,7 @@ class RoundBook:
         return {n for n, m in self.members.items() if m.active and m.last_seen_s >= horizon}
 
     def versions(self) -> dict[int, int]:
-        return {p: f.version for p, f in enumerate(self.fragments)}
+        return {p: f.version for p, f in self.fragments.items()}
 
     def slowest_step_time(self, now: float) -> float:
         live = self.live(now)
@@ -282,6 +292,8 @@ class RoundBook:
         # (the supervisor restarts it), which matters however stale the contribution is.
         if not finite or (norm is not None and norm != norm):
             return Verdict.NON_FINITE
+        if meta.fragment in self.held:
+            return Verdict.RECOVERING
         frag = self.fragments[meta.fragment]
         if meta.base_version > frag.version:
             return Verdict.FUTURE_VERSION
@@ -313,12 +325,15 @@ class RoundBook:
 
     # -- closing rounds ---------------------------------------------------------------------
 
-    def poll(self, now: float) -> list[RoundClose]:
-        """Close every round whose quorum is met and whose grace window is over (or moot)."""
+    def poll(self, now: float, limit: int | None = None) -> list[RoundClose]:
+        """Close every round whose quorum is met and whose grace window is over (or moot);
+        at most `limit` of them (the others stay due)."""
         live = self.live(now)
-        closes = []
-        for p, frag in enumerate(self.fragments):
-            if frag.merging or frag.quorum_s is None:
+        closes: list[RoundClose] = []
+        for p, frag in self.fragments.items():
+            if limit is not None and len(closes) >= limit:
+                break
+            if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
             everyone_in = live <= frag.pending.keys()
             if everyone_in or now >= frag.quorum_s + frag.grace_s:
@@ -329,8 +344,8 @@ class RoundBook:
         """The earliest time a grace window expires: when the caller should poll next."""
         deadlines = [
             f.quorum_s + f.grace_s
-            for f in self.fragments
-            if f.quorum_s is not None and not f.merging
+            for p, f in self.fragments.items()
+            if f.quorum_s is not None and not f.merging and p not in self.held
         ]
         return min(deadlines, default=None)
 
@@ -400,14 +415,22 @@ class RoundBook:
             frag.opened_s = close.opened_s
         self._maybe_reach_quorum(frag, now)
 
+    def replay(self, fragment: int, version: int, merged: dict[str, tuple[int, int, int]]) -> None:
+        """A round committed before a restart (from the round log): the fragment is at
+        `version` and `merged` holds each contributor's (base version, steps, tokens), so a
+        re-offer of work that round merged is not counted twice."""
+        frag = self.fragments[fragment]
+        frag.version = version
+        frag.merged.update(merged)
+
     # -- checkpointing ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What survives a synchronizer restart: versions, norm history, learned sync time.
         Pending sets are not kept: their payloads live in memory and learners resend."""
         return {
-            "versions": [f.version for f in self.fragments],
-            "norms": [list(f.norms) for f in self.fragments],
+            "versions": [f.version for f in self.fragments.values()],
+            "norms": [list(f.norms) for f in self.fragments.values()],
             "sync_time_s": self.sync_time_s,
             "incarnations": {n: m.incarnation for n, m in self.members.items()},
             "roster": sorted(self.roster) if self.roster is not None else None,
@@ -416,7 +439,8 @@ class RoundBook:
     def load_state_dict(self, state: dict[str, Any], now: float) -> None:
         if self.roster is not None and state.get("roster") is not None:
             self.roster = set(state["roster"])
-        for frag, v, norms in zip(self.fragments, state["versions"], state["norms"], strict=True):
+        frags = self.fragments.values()
+        for frag, v, norms in zip(frags, state["versions"], state["norms"], strict=True):
             frag.version = int(v)
             frag.norms.extend(float(x) for x in norms)
         self.sync_time_s = float(state["sync_time_s"])

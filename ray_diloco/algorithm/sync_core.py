@@ -1,17 +1,20 @@
 """Layer: algorithm (pure, no Ray). The synchronizer's state and work, without any transport.
 
-Holds the global value of every fragment, the per-fragment outer optimizer state, the recent
-published versions (the bases learners' deltas are relative to), the round book and the token
-ledger. `offer` reconstructs a contribution from its wire delta, guards it and hands it to the
-round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step, commit,
-and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
+Holds the global value of every fragment it owns (all of them, or a shard's share: see
+`algorithm/shards.py`), the per-fragment outer optimizer state, the recent published versions
+(the bases learners' deltas are relative to), the round book and the token ledger; the core
+that `owns_data` (shard 0) hands out the data pool's leases, every core keeps the cursors the
+learners report. `offer` reconstructs a contribution from its wire delta, guards it and hands
+it to the round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step,
+commit, and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
 (`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,7 @@ from ray_diloco.algorithm import merge, outer, wire
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
+from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.rounds import (
     ContributionMeta,
     RoundBook,
@@ -49,6 +53,37 @@ class Admission:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A pending contribution (the round book's opaque payload): its values `theta` and
+    `||G - theta||^2` per leaf, measured by the norm guard against `anchor`, the global value
+    then; the merge reuses them while G is still that value."""
+
+    theta: Values
+    sq: dict[str, float]
+    anchor: Values
+
+
+@dataclass
+class Recovery:
+    """A fragment whose newest value is being recovered after a restart: the version the
+    checkpoint holds, the newest one delivered to a learner before the restart, the logged
+    rounds past the checkpoint, and the newest value a learner handed over so far."""
+
+    restored: int
+    delivered: int
+    logged: list[LoggedRound]
+    found: tuple[int, Values] | None = None
+
+    @property
+    def best(self) -> int:
+        return self.found[0] if self.found is not None else self.restored
+
+    @property
+    def newest(self) -> int:
+        return max((e.version for e in self.logged), default=self.restored)
+
+
+@dataclass(frozen=True)
 class Publication:
     """A merged fragment to send to every live learner."""
 
@@ -64,30 +99,45 @@ class Publication:
 
 
 class SynchronizerCore:
-    def __init__(self, cfg: RunConfig, plan: FragmentPlan, init_values: Mapping[str, Any]) -> None:
+    """`fragments`: the fragments this core owns (default: all); `owns_data`: whether it hands
+    out the data pool's leases (exactly one core of a run does)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        plan: FragmentPlan,
+        init_values: Mapping[str, Any],
+        fragments: Sequence[int] | None = None,
+        owns_data: bool = True,
+    ) -> None:
         self.cfg = cfg
         self.plan = plan
+        self.owned = tuple(range(plan.num_fragments) if fragments is None else sorted(fragments))
+        self.owns_data = owns_data
         self.book = RoundBook(
             RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
             roster={lg.name for lg in cfg.learners},
+            owned=self.owned,
         )
         e = cfg.elastic
         self.ledger = TokenLedger(DataPool(cfg.data_parts, e.lease_tokens, e.lease_ahead))
         # The configured learners read their own part of the data; joiners have none.
         self.homes = {lg.name: i for i, lg in enumerate(cfg.learners) if i < cfg.data_parts}
         self.tx = outer.make_outer_optimizer(cfg.outer)
-        self.values: list[Values] = [
-            {k: np.array(init_values[k], np.float32) for k in frag} for frag in plan.fragments
-        ]
-        self.outer_states = [outer.init_outer_state(self.tx, v) for v in self.values]
+        self.values: dict[int, Values] = {
+            p: {k: np.array(init_values[k], np.float32) for k in plan.fragments[p]}
+            for p in self.owned
+        }
+        self.outer_states = {p: outer.init_outer_state(self.tx, v) for p, v in self.values.items()}
         # Version 0 is the shared initialisation every learner starts from, exactly.
-        self.published: list[dict[int, Values]] = [{0: v} for v in self.values]
+        self.published: dict[int, dict[int, Values]] = {p: {0: v} for p, v in self.values.items()}
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.rejected_tokens = 0
+        self.recovering: dict[int, Recovery] = {}
 
     # -- learners -----------------------------------------------------------------------------
 
@@ -102,6 +152,9 @@ class SynchronizerCore:
         the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
         cursor) of a learner that kept training through a synchronizer restore."""
         versions = self.book.register(learner, incarnation, now)
+        if not self.owns_data:
+            cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
+            return Admission(versions, [], 0, cursor)
         if held is not None:
             self.ledger.pool.reclaim(learner, *held)
             acct = self.ledger.account(learner)
@@ -114,12 +167,12 @@ class SynchronizerCore:
         """`learner` left the run for good: out of the quorum, its unread data back to the
         pool (returned)."""
         self.book.leave(learner, now)
-        return self.ledger.leave(learner)
+        return self.ledger.leave(learner) if self.owns_data else []
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
         """The latest published version of every fragment: what a (re)joining learner adopts."""
         out = {}
-        for p, hist in enumerate(self.published):
+        for p, hist in self.published.items():
             v = max(hist)
             out[p] = (v, hist[v])
         return out
@@ -131,29 +184,42 @@ class SynchronizerCore:
         report comes from a fenced (or unknown) incarnation."""
         if not self.book.heartbeat(learner, incarnation, now, step_time_s):
             return None
+        if not self.owns_data:
+            self.ledger.record_cursor(learner, cursor)
+            return []
         return self.ledger.record_progress(learner, cursor)
 
     def offer(
         self, meta: ContributionMeta, delta: Mapping[str, wire.Encoded], now: float
     ) -> Verdict:
-        """Take a contribution: `delta` is theta minus the published value of its base version."""
+        """Take a contribution: `delta` is theta minus the published value of its base version.
+        A contribution whose distance to G squares past float32 (above ~1.8e19 in an element)
+        is garbage, and refused as non-finite like a NaN."""
         self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
-        hist = self.published[meta.fragment]
+        hist = self.published.get(meta.fragment)
+        if hist is None:  # a fragment another shard owns: the learner routed it wrongly
+            return self._reject(Verdict.MALFORMED, meta)
+        if meta.fragment in self.recovering:  # its value is not back yet: offered again later
+            return self._reject(Verdict.RECOVERING, meta)
         base = hist.get(meta.base_version)
-        decoded = wire.decode_tree(delta)
         if base is None:
-            if not merge.all_finite(decoded):  # reported as non-finite whatever its version
+            if not merge.all_finite(wire.decode_tree(delta)):  # non-finite whatever its version
                 return self._reject(self.book.offer(meta, now, finite=False), meta)
             # Older than the history we keep (or from before a synchronizer restart): it cannot
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
             return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
-        if set(delta) != set(base):
+        if set(delta) != set(base) or any(e.shape != base[k].shape for k, e in delta.items()):
             return self._reject(Verdict.MALFORMED, meta)
-        theta = {k: base[k] + d for k, d in decoded.items()}
-        finite = merge.all_finite(theta)
-        norm = merge.outer_grad_norm(self.values[meta.fragment], theta) if finite else None
-        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=theta)
+        anchor = self.values[meta.fragment]
+        theta, sq = {}, {}
+        for k, e in delta.items():
+            theta[k], sq[k] = wire.decode_add(e, base[k], anchor[k])
+        total = sum(sq.values())
+        finite = math.isfinite(total)
+        norm = math.sqrt(total) if finite else None
+        held = Held(theta, sq, anchor)
+        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=held)
         return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
 
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
@@ -171,8 +237,8 @@ class SynchronizerCore:
             self.commit(pub, now)
         return pubs
 
-    def close_due(self, now: float) -> list[RoundClose]:
-        return self.book.poll(now)
+    def close_due(self, now: float, limit: int | None = None) -> list[RoundClose]:
+        return self.book.poll(now, limit)
 
     def merge(self, close: RoundClose, sync_time_s: float | None = None) -> Publication:
         """Token-weighted merge and outer step of one closed round. Touches only fragment
@@ -181,17 +247,25 @@ class SynchronizerCore:
         t0 = time.perf_counter()
         p = close.fragment
         d = self.cfg.diloco
+        g = self.values[p]
+        held: list[Held] = [c.payload for c in close.contributions]
         contributions = [
-            (c.payload, merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty))
-            for c, s in zip(close.contributions, close.staleness, strict=True)
+            (h.theta, merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty))
+            for h, c, s in zip(held, close.contributions, close.staleness, strict=True)
         ]
-        grad = merge.outer_gradient(self.values[p], contributions, self.plan.embedding, d.merge)
+        # The guard's norms hold while G is the value they were measured against.
+        sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
+        parts = merge.scaled_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
+        grad = {k: a for k, (a, _) in parts.items()}
+        scale = {k: s for k, (_, s) in parts.items()}
         values, self.outer_states[p] = outer.outer_step(
-            self.tx, self.values[p], self.outer_states[p], grad
+            self.tx, g, self.outer_states[p], grad, scale
         )
-        encoded = wire.encode_tree(values, wire.publish_dtype(d.wire_dtype))
+        dtype = wire.publish_dtype(d.wire_dtype)
+        encoded = wire.encode_tree(values, dtype)
         hist = dict(self.published[p])
-        hist[close.version] = wire.decode_tree(encoded)
+        # A float32 publication is the value itself, bit for bit (neither is ever modified).
+        hist[close.version] = values if dtype == "float32" else wire.decode_tree(encoded)
         for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
             del hist[v]
         # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
@@ -229,35 +303,93 @@ class SynchronizerCore:
     def global_params(self) -> Values:
         """The current global parameters (all fragments), e.g. for held-out evaluation."""
         out: Values = {}
-        for v in self.values:
+        for v in self.values.values():
             out.update(v)
         return out
 
     # -- checkpointing ------------------------------------------------------------------------
 
     def resume_versions(self, published: Mapping[int, int]) -> int:
-        """After a restore: `published` holds the highest version of each fragment published
-        before the restart (persisted at every commit). Where that is newer than what the
-        checkpoint holds, the restored value gets a fresh version number above it, so versions
-        never go backwards and no learner can take the restored value for a lost one that
-        carried the same number (its deltas against a lost version are rejected as stale and
-        it adopts this one when it registers again). Returns the rounds lost."""
-        lost = 0
-        for p, high in published.items():
-            frag = self.book.fragments[p]
-            if high <= frag.version:
-                continue
-            lost += high - frag.version
-            hist = self.published[p]
-            frag.version = high + 1
-            self.published[p] = {high + 1: hist[max(hist)]}
-        return lost
+        """After a restore with no learner to ask (a resumed run's learners start afresh):
+        `published` holds the highest version of each fragment delivered before the restart.
+        Where that is newer than what the checkpoint holds, the restored value gets a fresh
+        version number above it (`finish_recovery`). Returns the rounds lost."""
+        self.start_recovery([], published)
+        return sum(self.finish_recovery(p)[1] for p in list(self.recovering))
+
+    # -- recovery after a restart (algorithm.md section 7; docs/contracts.md) ----------------
+
+    def start_recovery(self, logged: Iterable[LoggedRound], delivered: Mapping[int, int]) -> None:
+        """After a restore: `logged` are the round log's entries, `delivered` the newest
+        version of each fragment a learner received before the restart. A fragment with
+        rounds past its restored version is held (no round closes, offers are refused as
+        recovering) until `finish_recovery` adopts the newest value a learner hands over
+        (`provide`), or the restored one."""
+        entries = sorted(logged, key=lambda e: e.version)
+        for p, frag in self.book.fragments.items():
+            mine = [e for e in entries if e.fragment == p and e.version > frag.version]
+            high = delivered.get(p, 0)
+            if mine or high > frag.version:
+                self.recovering[p] = Recovery(frag.version, high, mine)
+                self.book.held.add(p)
+
+    def wanted(self) -> dict[int, int]:
+        """Per fragment being recovered: the newest version found so far (a learner holding
+        a newer one is asked for its value)."""
+        return {p: r.best for p, r in self.recovering.items()}
+
+    def provide(self, fragment: int, version: int, values: Mapping[str, Any]) -> bool:
+        """A learner's value of `fragment` at `version` (the publication it holds). Taken when
+        it is the newest so far and the round log has that round (its ledger entries are
+        then exact). Returns True when nothing newer can exist: finish now."""
+        r = self.recovering.get(fragment)
+        if r is None or version <= r.best or version not in {e.version for e in r.logged}:
+            return False
+        paths = self.plan.fragments[fragment]
+        r.found = (version, {k: np.asarray(values[k], np.float32) for k in paths})
+        return version == r.newest
+
+    def finish_recovery(self, fragment: int) -> tuple[int, int]:
+        """Adopt the newest value found (else the restored one), replay the logged rounds up
+        to it into the ledger and the round book, and release the fragment. Version numbers
+        past it that may exist (delivered, or logged and perhaps delivered) are never reused:
+        the value then also gets a fresh number above them. Returns (adopted version, rounds
+        lost: delivered versions no learner could hand back)."""
+        r = self.recovering.pop(fragment)
+        self.book.held.discard(fragment)
+        if r.found is not None:  # the learners' copy becomes the global value too
+            adopted, values = r.found
+            copy = values
+        else:  # the checkpoint's global value, and the copy the learners were sent of it
+            adopted, values = r.restored, self.values[fragment]
+            copy = self.published[fragment].get(adopted, values)
+        for e in r.logged:
+            if e.version > adopted:
+                break
+            self.ledger.record_merged(
+                fragment, [(c.learner, c.num_tokens) for c in e.contributions]
+            )
+            for learner, cursor in e.cursors.items():
+                self.ledger.record_cursor(learner, cursor)
+            merged = {
+                c.learner: (c.base_version, c.num_steps, c.num_tokens) for c in e.contributions
+            }
+            self.book.replay(fragment, e.version, merged)
+        self.values[fragment] = values
+        hist = {adopted: copy}
+        top = max(r.delivered, r.newest)
+        if top > adopted:
+            # The same value under a fresh number: learners that hold `adopted` rename it.
+            hist[top + 1] = copy
+            self.book.replay(fragment, top + 1, {})
+        self.published[fragment] = hist
+        return adopted, max(0, r.delivered - adopted)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "values": self.values,
             "outer_states": self.outer_states,
-            "published": [{v: hist[v] for v in [max(hist)]} for hist in self.published],
+            "published": {p: {max(hist): hist[max(hist)]} for p, hist in self.published.items()},
             "book": self.book.state_dict(),
             "ledger": self.ledger.state_dict(),
             "bytes_up": dict(self.bytes_up),
@@ -265,11 +397,14 @@ class SynchronizerCore:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], now: float) -> None:
-        self.values = [
-            {k: np.asarray(a, np.float32) for k, a in v.items()} for v in state["values"]
-        ]
-        self.outer_states = list(state["outer_states"])
-        self.published = [{int(v): vals for v, vals in h.items()} for h in state["published"]]
+        self.values = {
+            int(p): {k: np.asarray(a, np.float32) for k, a in v.items()}
+            for p, v in state["values"].items()
+        }
+        self.outer_states = {int(p): s for p, s in state["outer_states"].items()}
+        self.published = {
+            int(p): {int(v): vals for v, vals in h.items()} for p, h in state["published"].items()
+        }
         self.book.load_state_dict(state["book"], now)
         self.ledger.load_state_dict(state["ledger"])
         self.bytes_up = dict(state["bytes_up"])

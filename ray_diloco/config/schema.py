@@ -132,6 +132,21 @@ class LinkConfig(_Frozen):
     latency_ms: float = Field(0.0, ge=0)
 
 
+class ShardPlacement(_Frozen):
+    """Where the synchronizer's shards run, to spread them over CPU nodes of a real cluster:
+    each shard asks for `num_cpus` and the custom `resources`, on a node whose labels include
+    `labels`; with any of them set the shards are spread over the matching nodes instead of
+    pinned to the head (or `synchronizer.region`)."""
+
+    num_cpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.num_cpus or self.resources or self.labels)
+
+
 class ClusterConfig(_Frozen):
     """The real cluster a job runs on, for `ray-diloco plan` (training itself ignores it)."""
 
@@ -150,6 +165,17 @@ class SynchronizerConfig(_Frozen):
     checkpoint_every_rounds: int = Field(48, ge=1)
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     step_time_ema: float = Field(0.2, gt=0, le=1)
+    num_shards: int = Field(
+        1, ge=1, description="detached actors the fragments are split over, by balanced bytes"
+    )
+    placement: ShardPlacement = ShardPlacement()
+    max_offers_in_flight: int = Field(
+        4,
+        ge=1,
+        description="offers a learner has sent to one shard and not seen answered; beyond it a "
+        "newer offer of a fragment replaces the unsent one (its work is merged with it) and "
+        "others wait, so a slow synchronizer never makes a learner wait or hold more",
+    )
 
 
 class SupervisorConfig(_Frozen):
@@ -197,9 +223,23 @@ FaultKind = Literal[
 class ScheduledFault(_Frozen):
     at_s: float = Field(ge=0)
     kind: FaultKind
-    target: str | None = Field(None, description="learner name or region; None picks by seed")
+    target: str | None = Field(
+        None, description="learner name, region or synchronizer shard; None picks by seed"
+    )
     duration_s: float = Field(0.0, ge=0)
     factor: float = Field(1.0, gt=0, description="slowdown factor for straggler/slow_link")
+    during_checkpoint: bool = Field(
+        False,
+        description="kill_synchronizer only: start a checkpoint write and kill while it runs",
+    )
+
+    @model_validator(mode="after")
+    def _checkpoint_kill(self) -> ScheduledFault:
+        if self.during_checkpoint and self.kind != "kill_synchronizer":
+            raise ValueError(
+                f"during_checkpoint applies to kill_synchronizer only, not {self.kind}; remove it"
+            )
+        return self
 
 
 class ChaosConfig(_Frozen):
@@ -345,6 +385,19 @@ class RunConfig(_Frozen):
                 f"elastic.max_learners={self.elastic.max_learners} is below the "
                 f"{len(known)} learners the config names; raise it"
             )
+        shards = self.synchronizer.num_shards
+        if shards > d.num_fragments:
+            raise ValueError(
+                f"synchronizer.num_shards={shards} exceeds diloco.num_fragments="
+                f"{d.num_fragments}: every shard owns at least one fragment; lower num_shards"
+            )
+        shard_names = (None, *(str(i) for i in range(shards)))
+        for fault in self.chaos.schedule:
+            if fault.kind == "kill_synchronizer" and fault.target not in shard_names:
+                raise ValueError(
+                    f"chaos.schedule: kill_synchronizer target {fault.target!r} is not a shard; "
+                    f"use a shard index 0..{shards - 1} or leave it empty (shard 0)"
+                )
         joiners = [c.join for c in self.elastic.schedule if c.join is not None]
         everyone = (*self.learners, *joiners, *self.elastic.templates)
         regions = sorted({lg.region for lg in everyone})

@@ -51,6 +51,7 @@ class FaultAction:
     target: str | None
     duration_s: float = 0.0
     factor: float = 1.0
+    during_checkpoint: bool = False  # kill_synchronizer: while a checkpoint is being written
 
     def to_event(self, t: float, detail: str = "") -> FaultInjected:
         """The tape entry recording that this action was executed at `t`."""
@@ -109,7 +110,16 @@ def chaos_schedule(
             target = _pick_target(entry.kind, _rng(cfg.seed, f"schedule/{i}"), learners, regions)
         else:
             _check_target(entry.kind, target, learners, regions)
-        actions.append(FaultAction(entry.at_s, entry.kind, target, entry.duration_s, entry.factor))
+        actions.append(
+            FaultAction(
+                entry.at_s,
+                entry.kind,
+                target,
+                entry.duration_s,
+                entry.factor,
+                entry.during_checkpoint,
+            )
+        )
     if cfg.mtbf_s is not None:
         for learner in sorted(set(learners)):
             actions.extend(_poisson_faults(cfg, cfg.mtbf_s, learner, learners, regions, horizon_s))

@@ -238,6 +238,7 @@ class RoundClosed(Event):
     tokens: int
     grace_s: float | None = None
     waited_s: float | None = None
+    shard: int = 0  # the synchronizer shard that owns the fragment
 
 
 @_register
@@ -265,11 +266,13 @@ class WorkLost(Event):
 @_register
 @dataclass(frozen=True)
 class SynchronizerRestored(Event):
-    """The synchronizer came back from a checkpoint at `from_versions` (fragment -> version)."""
+    """The synchronizer (shard `shard`) came back from a checkpoint at `from_versions`
+    (fragment -> version)."""
 
     kind: ClassVar[str] = "synchronizer_restored"
     from_versions: dict[int, int]
     rounds_lost: int
+    shard: int = 0
 
 
 @_register
@@ -281,6 +284,7 @@ class SynchronizerLost(Event):
     kind: ClassVar[str] = "synchronizer_lost"
     detection_s: float
     detail: str = ""
+    shard: int = 0
 
 
 @_register

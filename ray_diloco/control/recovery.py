@@ -16,8 +16,8 @@ corrupt_norm                      ContributionRejected or          LearnerRecove
 straggler                         LearnerDegraded(slow_steps)     LearnerRecovered(slow_steps)
 cut_link, slow_link (a region)    LearnerDegraded(no_contri-      LearnerRecovered of that
                                   butions) of a learner there     learner
-kill_synchronizer                 SynchronizerLost                the first RoundClosed after
-                                                                  SynchronizerRestored
+kill_synchronizer (a shard)       SynchronizerLost of the shard   the shard's first RoundClosed
+                                                                  after its SynchronizerRestored
 ================================  ==============================  ============================
 
 Each event explains at most one fault (the earliest unexplained one before it), so a storm
@@ -103,6 +103,7 @@ def _outcome(
 ) -> FaultOutcome:
     kind, target = fault.fault, fault.target
     learner: str | None = target
+    shard = int(target or 0) if kind == "kill_synchronizer" else 0  # (None: shard 0)
     detect: Match
     recover: Callable[[str | None], Match]
     if kind in LETHAL or kind == "corrupt_nan":
@@ -150,14 +151,14 @@ def _outcome(
                 isinstance(e, LearnerRecovered) and e.cause == cause and e.learner == who
             )
 
-    else:  # kill_synchronizer
+    else:  # kill_synchronizer of shard `shard`
         learner = None
 
         def detect(e: Event) -> bool:
-            return isinstance(e, SynchronizerLost)
+            return isinstance(e, SynchronizerLost) and e.shard == shard
 
         def recover(who: str | None) -> Match:
-            return lambda e: isinstance(e, SynchronizerRestored)
+            return lambda e: isinstance(e, SynchronizerRestored) and e.shard == shard
 
     d = _find(evs, i + 1, used, detect)
     if d is None:
@@ -170,8 +171,8 @@ def _outcome(
         _find(evs, d + 1, used, lambda e: isinstance(e, follow) and e.learner == target)
     r = _find(evs, d + 1, used, recover(learner))
     if r is not None and kind == "kill_synchronizer":
-        # Recovered when the global model advances again, not when the process is back.
-        r = _find(evs, r + 1, set(), lambda e: isinstance(e, RoundClosed))
+        # Recovered when the shard's fragments advance again, not when the process is back.
+        r = _find(evs, r + 1, set(), lambda e: isinstance(e, RoundClosed) and e.shard == shard)
     return FaultOutcome(kind, target, fault.t, learner, evs[d].t, None if r is None else evs[r].t)
 
 

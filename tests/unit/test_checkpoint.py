@@ -42,11 +42,11 @@ def test_sync_state_round_trips_through_orbax(tmp_path):
     state = checkpoint.sync_state_from_tree(arrays2, meta2, fresh.outer_states)
     fresh.load_state_dict(state, now=5.0)
     assert fresh.book.versions() == core.book.versions() == {0: 1, 1: 0}
-    for a, b in zip(fresh.values, core.values, strict=True):
+    for a, b in zip(fresh.values.values(), core.values.values(), strict=True):
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
-    for a, b in zip(fresh.outer_states, core.outer_states, strict=True):
+    for a, b in zip(fresh.outer_states.values(), core.outer_states.values(), strict=True):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             np.testing.assert_array_equal(x, y)
     assert fresh.ledger.resume_cursor("a") == 512

@@ -175,3 +175,23 @@ def test_all_finite() -> None:
     assert all_finite({})
     assert not all_finite({"a": np.ones(3), "b": np.array([0.0, np.nan])})
     assert not all_finite({"a": np.array([np.inf])})
+
+
+def test_known_norms_and_deferred_scale_give_the_same_gradient() -> None:
+    # The synchronizer hands RDA the norms its guard measured and lets the outer step apply the
+    # scale; across chunk boundaries and with a mean leaf, the result is outer_gradient's.
+    from ray_diloco.algorithm.chunks import CHUNK
+    from ray_diloco.algorithm.merge import leaf_sq_distances, scaled_outer_gradient
+
+    rng = np.random.default_rng(3)
+    g = {"w": rng.normal(size=CHUNK + 7).astype(np.float32), "embed": np.ones(4, np.float32)}
+    contributions = [
+        ({k: v + rng.normal(0, 0.1, v.shape).astype(np.float32) for k, v in g.items()}, w)
+        for w in (1.0, 2.0, 0.5)
+    ]
+    sq = [leaf_sq_distances(g, theta) for theta, _ in contributions]
+    expected = outer_gradient(g, contributions, {"embed"}, "rda")
+    parts = scaled_outer_gradient(g, contributions, {"embed"}, "rda", sq)
+    for k, (array, scale) in parts.items():
+        np.testing.assert_allclose(array * scale, expected[k], rtol=1e-5, atol=1e-7)
+    assert parts["embed"][1] == 1.0  # a mean is not rescaled

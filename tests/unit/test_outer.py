@@ -77,3 +77,27 @@ def test_docstring_example() -> None:
     result = doctest.testmod(outer, raise_on_error=False)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_optax_sgd(nesterov: bool) -> None:
+    # The NumPy step is optax.sgd operation for operation, over chunk boundaries too.
+    import optax
+
+    from ray_diloco.algorithm.chunks import CHUNK
+
+    rng = np.random.default_rng(0)
+    cfg = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    values = {"a": rng.normal(size=(3, CHUNK)).astype(np.float32), "b": np.ones(5, np.float32)}
+    ref_tx = optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    tx = make_outer_optimizer(cfg)
+    ref_values, ref_state = dict(values), ref_tx.init(values)
+    state = init_outer_state(tx, values)
+    for _ in range(3):
+        grad = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in values.items()}
+        updates, ref_state = ref_tx.update(grad, ref_state, ref_values)
+        ref_values = optax.apply_updates(ref_values, updates)
+        values, state = outer_step(tx, values, state, grad)
+    for k in values:
+        np.testing.assert_allclose(values[k], ref_values[k], rtol=1e-6, atol=1e-6)
+    assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(ref_state))

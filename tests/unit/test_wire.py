@@ -187,3 +187,22 @@ def test_tree_round_trip(dtype: WireDtype) -> None:
 def test_publish_dtype() -> None:
     assert publish_dtype("float32") == "float32"
     assert [publish_dtype(d) for d in ("bfloat16", "int8", "int4")] == ["bfloat16"] * 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_decode_add_is_decode_plus_base_and_measures_the_distance(dtype: str) -> None:
+    from ray_diloco.algorithm.chunks import CHUNK
+    from ray_diloco.algorithm.wire import decode_add
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(2, CHUNK // 2 + 3)).astype(np.float32)
+    anchor = base + 0.5
+    enc = encode(rng.normal(0, 0.01, base.shape), dtype)
+    theta, sq = decode_add(enc, base, anchor)
+    expected = decode(enc) + base
+    np.testing.assert_array_equal(theta, expected)
+    assert theta.dtype == np.float32 and theta.shape == base.shape
+    assert sq == pytest.approx(float(np.sum((anchor.astype(np.float64) - expected) ** 2)), rel=1e-5)
+    assert decode_add(enc, base)[1] == 0.0
+    with pytest.raises(ValueError, match="elements"):
+        decode_add(enc, base[:1])
