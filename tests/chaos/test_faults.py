@@ -260,7 +260,7 @@ def test_storm_of_mixed_faults(
     check_run(
         run,
         reference_loss(STORM_BUDGET),
-        rejections={"non_finite"},
+        rejections={"non_finite", "recovering"},  # (the synchronizer's kill: sent again)
         full_uptime=False,  # the synchronizer is down for a while
         settle_s=10.0,
     )
