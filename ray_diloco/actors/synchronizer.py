@@ -48,12 +48,13 @@ from ray_diloco.actors.deliveries import Deliveries
 from ray_diloco.actors.journal import Journal
 from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
 from ray_diloco.actors.sync_checkpoint import CheckpointWriter
+from ray_diloco.actors.sync_evaluation import EvaluationDuty
 from ray_diloco.actors.sync_restore import ShardStore
 from ray_diloco.actors.sync_shards import shard_name
 from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.wire import tree_bytes
 from ray_diloco.config import RunConfig
-from ray_diloco.control.events import ContributionRejected, HeldoutEvaluated, RoundClosed
+from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
-GATHER_TIMEOUT_S = 60.0  # the other shards' fragments for an evaluation (a dead one: skipped)
 
 
 def config_digest(cfg: RunConfig) -> str:
@@ -77,7 +77,7 @@ def config_digest(cfg: RunConfig) -> str:
 
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
-class Synchronizer:
+class Synchronizer(EvaluationDuty):
     def __init__(self, cfg: RunConfig, shard: int = 0, log_level: str = "WARNING") -> None:
         setup_logging(log_level)
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
@@ -92,7 +92,6 @@ class Synchronizer:
         self.cfg, self.shard = cfg, shard
         self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread
         self._lock = threading.Lock()
-        self._eval_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self.setup = Setup.build(cfg)
         owned = assign_fragments(self.setup.plan.sizes, cfg.synchronizer.num_shards)[shard]
@@ -100,7 +99,6 @@ class Synchronizer:
             cfg, self.setup.plan, self.setup.init, owned, owns_data=shard == 0
         )
         self.setup.init = {}  # the core copied its fragments; the rest would only take memory
-        self._others: list[Any] | None = None  # the other shards (shard 0 evaluates)
         self.journal = Journal()
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self.hosts: dict[str, list[Any]] = {}
@@ -123,7 +121,7 @@ class Synchronizer:
         # and step of its last merged contribution (the supervisor detects rejoins from them).
         self.registered: dict[str, dict[str, Any]] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
-        self._eval_thread: threading.Thread | None = None
+        self._init_evaluation()
         self._links = DelayedCalls("publish-links")
         self.deliveries = Deliveries(self._delivered)
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
@@ -527,45 +525,6 @@ class Synchronizer:
         m.global_version(pub.version)
         m.live_learners(live)
         m.synchronizer_memory(psutil.Process().memory_info().rss)
-
-    def _evaluate_in_background(self) -> None:
-        """A periodic evaluation on its own thread: gathering the other shards' fragments
-        (or one that is down) must not hold this shard's rounds up."""
-        if self._eval_thread is not None and self._eval_thread.is_alive():
-            return
-        self._eval_thread = threading.Thread(target=self._evaluate, name="evaluate", daemon=True)
-        self._eval_thread.start()
-
-    def _evaluate(self) -> float | None:
-        """Evaluate and record the global parameters (None: a shard did not answer)."""
-        with self._eval_lock:
-            with self._lock:
-                tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
-            params = self.core.global_params()
-            try:
-                for values, shard_rounds in self._gather():
-                    params.update(values)
-                    rounds += shard_rounds
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-                logger.warning("evaluation skipped: a shard's fragments are missing (%s)", err)
-                return None
-            loss = self.setup.evaluate(params)
-            with self._lock:
-                self.journal.eval_point(tokens, rounds, loss)
-                self.journal.record(HeldoutEvaluated(time.time(), tokens, rounds, loss))
-        self.metrics.heldout_loss(loss)
-        return loss
-
-    def _gather(self) -> list[tuple[dict[str, Any], int]]:
-        """The other shards' fragments and rounds (none with one shard)."""
-        if self._others is None:
-            ns = self.cfg.synchronizer.namespace
-            self._others = [
-                ray.get_actor(shard_name(self.cfg, s), namespace=ns)
-                for s in range(1, self.cfg.synchronizer.num_shards)
-            ]
-        refs = [h.fragment_values.remote() for h in self._others]
-        return list(ray.get(refs, timeout=GATHER_TIMEOUT_S)) if refs else []
 
     # -- helpers ------------------------------------------------------------------------------
 
