@@ -289,10 +289,15 @@ class SynchronizerCore:
     ) -> tuple[int, dict[str, wire.Encoded]] | None:
         """The newest version of the fragment (and its encoding) to send the learner whose
         contribution was just refused for being behind, or broken, when publications only go
-        to contributors: it would otherwise never hear of a newer version. None otherwise."""
-        if self.cfg.diloco.publish_to == "all" or verdict not in CATCH_UP:
+        to contributors: it would otherwise never hear of a newer version. With `publish_to:
+        all` only when its base is gone from the history (a restore that fell back to the
+        checkpoint renamed it): were every learner in that state, no round would close and no
+        publication would ever come. None otherwise."""
+        if verdict not in CATCH_UP:
             return None
         hist = self.published[meta.fragment]
+        if self.cfg.diloco.publish_to == "all" and meta.base_version in hist:
+            return None
         version = max(hist)
         dtype = wire.publish_dtype(self.cfg.diloco.wire_dtype)
         return version, wire.encode_tree(hist[version], dtype)

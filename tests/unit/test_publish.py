@@ -54,10 +54,24 @@ def test_a_refused_learner_catches_up_on_the_newest_version() -> None:
     assert version == 2
     for k, v in wire.decode_tree(encoded).items():
         np.testing.assert_array_equal(v, core.snapshot()[0][1][k])
-    # accepted contributions, dead incarnations and "publish to all" need no catching up
+    # accepted contributions and dead incarnations need no catching up
     assert core.catch_up(stale, Verdict.ACCEPTED) is None
     assert core.catch_up(stale, Verdict.OLD_INCARNATION) is None
-    assert _core("all").catch_up(stale, Verdict.STALE_VERSION) is None
+
+
+def test_publish_to_all_catches_up_only_a_base_gone_from_the_history() -> None:
+    # A learner of "publish to all" hears of every version, unless its base no longer exists
+    # (a restore fell back to the checkpoint and renamed it): then, if nobody can contribute,
+    # no round closes and nothing is published, so the refusal must bring the newest version.
+    core = _core("all")
+    assert _offer(core, "b", base=0, now=0.1) is Verdict.ACCEPTED
+    core.poll(now=0.2)
+    kept = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
+    assert core.catch_up(kept, Verdict.STALE_VERSION) is None
+    gone = ContributionMeta("a", 0, 0, 7, 4, 4, 256)
+    assert _offer(core, "a", base=7, now=0.3) is Verdict.FUTURE_VERSION
+    newest = core.catch_up(gone, Verdict.FUTURE_VERSION)
+    assert newest is not None and newest[0] == 1
 
 
 @pytest.mark.timeout(120)
