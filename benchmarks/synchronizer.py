@@ -267,8 +267,8 @@ def _fake_learner_class() -> Any:
 def load_cell(num_params: int, shards: int, step_s: float, tmp: Path) -> dict[str, Any]:
     import ray
 
+    from ray_diloco.actors.sync_launch import create_synchronizer
     from ray_diloco.actors.sync_shards import ShardSet
-    from ray_diloco.actors.synchronizer import create_synchronizer
 
     cfg = load_config_for(num_params, shards, tmp / f"{num_params}-{shards}")
     sync = ShardSet(cfg, create_synchronizer(cfg))

@@ -31,9 +31,9 @@ import ray
 
 from ray_diloco.actors.learner_group import regions_are_labelled
 from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
+from ray_diloco.actors.sync_launch import create_synchronizer
 from ray_diloco.actors.sync_shards import ShardSet
-from ray_diloco.actors.synchronizer import config_digest, create_synchronizer
-from ray_diloco.config import ConfigError, RunConfig, check_output_dir, dump_config
+from ray_diloco.config import ConfigError, RunConfig, check_output_dir, config_digest, dump_config
 from ray_diloco.control.events import Event, RunStarted
 from ray_diloco.control.tape import read_tape
 from ray_diloco.progress import ProgressTracker

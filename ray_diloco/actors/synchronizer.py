@@ -9,7 +9,8 @@ carries its decisions out with real time and real transport, mirroring
 (`close_due` under the lock, `merge` outside it, `commit` under it) and publishes each merged
 fragment once with `ray.put` to its recipients (`diloco.publish_to`: the learners the round
 merged, or every registered learner), each send delayed by the learner's
-emulated downstream link. Progress reports and registration run in the `control` concurrency
+emulated downstream link (`sync_publish.py`). `sync_launch.py` starts the shards;
+`sync_evaluation.py` is shard 0's held-out evaluation. Progress reports and registration run in the `control` concurrency
 group and never queue behind offers (`data` group) or merges (background thread).
 
 Object ownership: learners push offers by value (fragments are small; Ray inlines arguments
@@ -31,9 +32,6 @@ restores its own fragments; a dead shard stalls only those; versions never go ba
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -46,21 +44,20 @@ from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.deliveries import Deliveries
 from ray_diloco.actors.journal import Journal
-from ray_diloco.actors.resources import LOCAL_REGION, head_pin_options
+from ray_diloco.actors.resources import LOCAL_REGION
 from ray_diloco.actors.sync_checkpoint import CheckpointWriter
 from ray_diloco.actors.sync_evaluation import EvaluationDuty
+from ray_diloco.actors.sync_publish import PublishDuty
 from ray_diloco.actors.sync_restore import ShardStore
-from ray_diloco.actors.sync_shards import shard_name
 from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.wire import tree_bytes
-from ray_diloco.config import RunConfig
+from ray_diloco.config import RunConfig, config_digest
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
 if TYPE_CHECKING:
     from ray_diloco.algorithm.rounds import ContributionMeta, RoundClose
-    from ray_diloco.algorithm.sync_core import Publication
     from ray_diloco.algorithm.wire import Encoded
 
 logger = logging.getLogger(__name__)
@@ -68,16 +65,8 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
 
 
-def config_digest(cfg: RunConfig) -> str:
-    """Digest of the whole validated config: tells a driver whether an existing synchronizer
-    serves its run; the event tape's RunStarted carries it too."""
-    # Sorted keys: the same config written with its task_args in another order is the same run.
-    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
-class Synchronizer(EvaluationDuty):
+class Synchronizer(EvaluationDuty, PublishDuty):
     def __init__(self, cfg: RunConfig, shard: int = 0, log_level: str = "WARNING") -> None:
         setup_logging(log_level)
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
@@ -470,62 +459,6 @@ class Synchronizer(EvaluationDuty):
     def _contributors(close: RoundClose) -> list[str]:
         return [c.meta.learner for c in close.contributions]
 
-    def _delivered(self, fragment: int, version: int) -> None:
-        """A learner holds `version` of `fragment` (the deliveries thread): the round
-        counts, and the version mark says it (a restart recovers it from the learners)."""
-        with self._lock:
-            for key in sorted(k for k in self._closing if k[0] == fragment and k[1] <= version):
-                self.journal.record(self._closing.pop(key))
-            if version <= self.delivered.get(fragment, 0):
-                return
-            self.delivered[fragment] = version
-            if self.store is not None:
-                self.store.mark.update({fragment: version})
-
-    def _targets(self) -> dict[str, list[Any]]:
-        """Hosts of every registered learner that is not fenced or retired. Like the
-        reference run, a learner momentarily silent (compiling, blocked) still gets it."""
-        members = self.core.book.members
-        return {n: h for n, h in self.hosts.items() if n in members and members[n].active}
-
-    def _publish(
-        self,
-        fragment: int,
-        version: int,
-        encoded: dict[str, Encoded],
-        targets: dict[str, list[Any]],
-        track: bool = False,
-    ) -> None:
-        """Send a fragment to `targets`; `track`: a round's publication (`deliveries`)."""
-        ref = ray.put(encoded)  # owned by the synchronizer, shared by every send
-        nbytes = tree_bytes(encoded)
-        now = time.monotonic()
-        for learner, handles in targets.items():
-            # Each copy occupies the region's serial downstream pipe, as in the reference run.
-            region = self.regions.get(learner, LOCAL_REGION)
-            delay = self._wan.arrival(region, "down", nbytes, now) - now
-            for host in handles:
-                send = functools.partial(self._send, host, fragment, version, ref, track)
-                self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, region, "down", nbytes)
-
-    def _send(self, host: Any, fragment: int, version: int, ref: Any, track: bool) -> None:
-        # A learner that is down gets the latest version when it registers again.
-        call = host.receive.remote(fragment, version, ref)
-        if track:
-            self.deliveries.sent(fragment, version, call)
-
-    def _round_metrics(self, pub: Publication, live: int) -> None:
-        m = self.metrics
-        m.outer_round()
-        m.contributors(len(pub.close.contributions))
-        m.grace_window(pub.close.grace_s)
-        for s in pub.close.staleness:
-            m.staleness(s)
-        m.global_version(pub.version)
-        m.live_learners(live)
-        m.synchronizer_memory(psutil.Process().memory_info().rss)
-
     # -- helpers ------------------------------------------------------------------------------
 
     def rounds(self) -> int:
@@ -534,40 +467,3 @@ class Synchronizer(EvaluationDuty):
 
     def _now(self) -> float:
         return time.monotonic()
-
-
-def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:
-    """Shard `shard`: named, detached and restartable, pinned to the head, or spread over the
-    nodes `synchronizer.placement` selects. `synchronizer.region` names the head's region (for
-    the links and `ray-diloco plan`); a region selector alone could put a shard on a TPU host of
-    that region."""
-    s = cfg.synchronizer
-    where = s.placement
-    placement: dict[str, Any]
-    if where.pinned:
-        placement = {"num_cpus": where.num_cpus, "scheduling_strategy": "SPREAD"}
-        if where.resources:
-            placement["resources"] = dict(where.resources)
-        if where.labels:
-            placement["label_selector"] = dict(where.labels)
-    else:
-        placement = {"num_cpus": 0, **head_pin_options()}
-    return {
-        "name": shard_name(cfg, shard),
-        "namespace": s.namespace,
-        "lifetime": "detached",
-        "get_if_exists": True,
-        "max_restarts": -1,
-        "max_task_retries": -1,
-        # The synchronizer does no forward/backward: never let JAX grab an accelerator.
-        "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
-        **placement,
-    }
-
-
-def create_synchronizer(cfg: RunConfig, log_level: str = "WARNING") -> list[Any]:
-    """Every shard of the run's synchronizer (existing ones are returned as they are)."""
-    return [
-        Synchronizer.options(**synchronizer_options(cfg, shard)).remote(cfg, shard, log_level)  # type: ignore[attr-defined]
-        for shard in range(cfg.synchronizer.num_shards)
-    ]

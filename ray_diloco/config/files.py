@@ -4,6 +4,7 @@ per problem naming the field or file and the fix, and the run dir's config dump.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -179,3 +180,11 @@ def dump_config(cfg: RunConfig, path: Path) -> None:
     """Write the validated config as JSON (run_dir/config.json)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True))
+
+
+def config_digest(cfg: RunConfig) -> str:
+    """Digest of the whole validated config: tells a driver whether an existing synchronizer
+    serves its run; the event tape's RunStarted carries it too."""
+    # Sorted keys: the same config written with its task_args in another order is the same run.
+    canonical = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
