@@ -8,10 +8,10 @@ carries its decisions out with real time and real transport, mirroring
 `simulate._run_diloco`: offers go to `core.offer`, a background thread closes due rounds
 (`close_due` under the lock, `merge` outside it, `commit` under it) and publishes each merged
 fragment once with `ray.put` to its recipients (`diloco.publish_to`: the learners the round
-merged, or every registered learner), each send delayed by the learner's
-emulated downstream link (`sync_publish.py`). `sync_launch.py` starts the shards;
-`sync_evaluation.py` is shard 0's held-out evaluation. Progress reports and registration run in the `control` concurrency
-group and never queue behind offers (`data` group) or merges (background thread).
+merged, or every registered learner), each send delayed by the learner's emulated downstream
+link (`sync_publish.py`). `sync_launch.py` starts the shards; `sync_evaluation.py` is shard 0's
+held-out evaluation. Progress reports and registration run in the `control` concurrency group
+and never queue behind offers (`data` group) or merges (background thread).
 
 Object ownership: learners push offers by value (fragments are small; Ray inlines arguments
 under 100 KiB, and a larger one lives only until this method returns). `core.offer` decodes the

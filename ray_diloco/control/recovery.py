@@ -21,8 +21,12 @@ kill_synchronizer (a shard)       SynchronizerLost of the shard   the shard's fi
 ================================  ==============================  ============================
 
 Each event explains at most one fault (the earliest unexplained one before it), so a storm
-with repeated faults on one learner is attributed in order. The chaos tests and
-`benchmarks/recovery.py` read their numbers from here.
+with repeated faults on one learner is attributed in order. A fault on a learner that another
+fault takes down (lethal or corrupt_nan) before the first one was detected and recovered from
+is `superseded`: the later fault killed the process that would have shown it (a corruption
+waiting for the next contribution, a restarted learner that had not contributed yet), and the
+events after belong to the later fault. The chaos tests and `benchmarks/recovery.py` read
+their numbers from here.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class FaultOutcome:
     learner: str | None  # the learner that showed it (for a region: the first one)
     detected_t: float | None
     recovered_t: float | None
+    superseded: bool = False  # another fault took its learner down before it was over
 
     @property
     def detection_s(self) -> float | None:
@@ -90,8 +95,18 @@ def fault_outcomes(events: Iterable[Event], regions: Mapping[str, str]) -> list[
     return out
 
 
-def _find(evs: list[Event], start: int, used: set[int], match: Match) -> int | None:
-    for j in range(start, len(evs)):
+def _takes_down(e: Event, learner: str | None) -> bool:
+    return (
+        isinstance(e, FaultInjected)
+        and e.target == learner
+        and (e.fault in LETHAL or e.fault == "corrupt_nan")
+    )
+
+
+def _find(
+    evs: list[Event], start: int, used: set[int], match: Match, end: int | None = None
+) -> int | None:
+    for j in range(start, len(evs) if end is None else end):
         if j not in used and match(evs[j]):
             used.add(j)
             return j
@@ -160,20 +175,26 @@ def _outcome(
         def recover(who: str | None) -> Match:
             return lambda e: isinstance(e, SynchronizerRestored) and e.shard == shard
 
-    d = _find(evs, i + 1, used, detect)
+    # Where a later fault takes the same learner down: what follows is that fault's.
+    end = None
+    if kind in LETHAL or kind.startswith("corrupt_"):
+        end = next((j for j in range(i + 1, len(evs)) if _takes_down(evs[j], target)), None)
+    d = _find(evs, i + 1, used, detect, end)
     if d is None:
-        return FaultOutcome(kind, target, fault.t, learner, None, None)
+        return FaultOutcome(kind, target, fault.t, learner, None, None, end is not None)
     if kind in LINK | {"straggler"}:
         learner = getattr(evs[d], "learner", learner)
     if isinstance(evs[d], ContributionRejected):
         # The supervisor's reaction to the rejection belongs to this fault too.
         follow = FailureDetected if kind == "corrupt_nan" else LearnerDegraded
         _find(evs, d + 1, used, lambda e: isinstance(e, follow) and e.learner == target)
-    r = _find(evs, d + 1, used, recover(learner))
+    r = _find(evs, d + 1, used, recover(learner), end)
     if r is not None and kind == "kill_synchronizer":
         # Recovered when the shard's fragments advance again, not when the process is back.
         r = _find(evs, r + 1, set(), lambda e: isinstance(e, RoundClosed) and e.shard == shard)
-    return FaultOutcome(kind, target, fault.t, learner, evs[d].t, None if r is None else evs[r].t)
+    if r is None:
+        return FaultOutcome(kind, target, fault.t, learner, evs[d].t, None, end is not None)
+    return FaultOutcome(kind, target, fault.t, learner, evs[d].t, evs[r].t)
 
 
 def summarize_outcomes(outcomes: Iterable[FaultOutcome]) -> dict[str, dict[str, Any]]:

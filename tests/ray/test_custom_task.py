@@ -52,7 +52,8 @@ def test_custom_task_trains_through_the_python_api(ray_local: Any, tmp_path: Pat
         overrides=[
             f"run_dir={tmp_path / 'api'}",
             "synchronizer.name=sync-api",
-            "token_budget=8000",
+            # (the narrow model at 8000 ended at 0.53x its first loss on a loaded CI run)
+            "token_budget=12000",
         ],
         progress=False,
     )

@@ -47,8 +47,35 @@ def test_a_numerical_failure_never_explains_a_lethal_fault():
         LearnerRejoined(9.0, "b", 1, {}, 3.7),
     ]
     nan, kill = fault_outcomes(tape, REGIONS)
-    assert nan.detected_t is None and nan.recovered_t is None
+    assert nan.detected_t is None and nan.recovered_t is None and nan.superseded
     assert (kill.detection_s, kill.recovery_s) == pytest.approx((0.3, 4.0))
+    assert not kill.superseded
+
+
+def test_a_fault_whose_restart_a_later_fault_kills_is_superseded():
+    # The storm on a loaded CI machine: b restarted after its NaN, and the kill landed before
+    # the new incarnation had contributed; its rejoin is the kill's recovery, not the NaN's.
+    tape = [
+        FaultInjected(29.2, "corrupt_nan", "b"),
+        FailureDetected(30.0, "b", FailureKind.NUMERICAL, 0.3),
+        FaultInjected(40.3, "corrupt_norm", "b"),  # waits for a contribution that never comes
+        FaultInjected(42.3, "kill_group", "b"),
+        FailureDetected(42.6, "b", FailureKind.CRASH, 0.2),
+        LearnerRejoined(48.4, "b", 2, {0: 30}, 5.8),
+        FaultInjected(50.0, "straggler", "b", duration_s=4.0),  # does not take b down
+        FaultInjected(60.0, "kill_host", "b"),
+        FailureDetected(60.5, "b", FailureKind.CRASH, 0.5),
+        LearnerRejoined(66.0, "b", 3, {0: 40}, 5.5),
+    ]
+    nan, norm, kill, straggler, kill_host = fault_outcomes(tape, REGIONS)
+    assert nan.detected_t == 30.0 and nan.recovered_t is None and nan.superseded
+    assert norm.detected_t is None and norm.superseded
+    assert kill.recovered_t == 48.4 and not kill.superseded
+    assert straggler.detected_t is None and not straggler.superseded  # never excused
+    assert kill_host.recovered_t == 66.0 and not kill_host.superseded
+    # a fault still unrecovered with nothing after it on its learner is not excused either
+    (last,) = fault_outcomes(tape[:2], REGIONS)
+    assert last.recovered_t is None and not last.superseded
 
 
 def test_corruption_straggler_link_and_synchronizer():
