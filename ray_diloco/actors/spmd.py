@@ -70,6 +70,18 @@ class SpmdLayout(DeviceLayout):
 
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(host))
 
+    def place(self, tree: Any) -> Any:
+        """Every leaf replicated on the mesh, as the step's outputs are (the same input types
+        on every call: one compilation)."""
+        import jax
+
+        def replicated(leaf: Any) -> Any:
+            if getattr(leaf, "sharding", None) == self.replicated:
+                return leaf
+            return self.param(np.asarray(leaf))
+
+        return jax.tree.map(replicated, tree)
+
     def batch(self, batch: Any) -> Any:
         # Every host reads the same global batch (a pure function of the cursor) and keeps
         # its rows of every leaf: the learner's global batch is exactly that of a single-host

@@ -365,8 +365,11 @@ class Synchronizer(EvaluationDuty, PublishDuty):
     # -- the round thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self.shard == 0:
-            self._evaluate()  # the starting point of the loss curve; compiles the eval function
+        restarted = self.restored is not None and self.restored.get("restart")
+        if self.shard == 0 and not restarted:
+            # The starting point of the loss curve (compiles the eval function). Not after a
+            # restart: it would hold the recovery up and score values about to be replaced.
+            self._evaluate()
         last_eval, last_eval_rounds = time.monotonic(), 0
         while not self._stop.is_set():
             self._wake.wait(timeout=self._idle_s())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,16 @@ def run_quick(script: str, out: Path, *extra: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_benchmarks_write_their_tables(tmp_path):
-    goodput = run_quick("goodput.py", tmp_path)
+    # Side by side: each script is one mostly single-threaded process, and CI has two cores.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = [
+            pool.submit(run_quick, "goodput.py", tmp_path),
+            pool.submit(
+                run_quick, "quality.py", tmp_path, "--only", "data_parallel", "decoupled K=1 grace"
+            ),
+            pool.submit(run_quick, "bandwidth.py", tmp_path),
+        ]
+    goodput, quality, bandwidth = (run.result() for run in runs)
     assert {(r["mode"], r["failures"]) for r in goodput["rows"]} == {
         (m, f)
         for m in ("decoupled", "synchronous", "data_parallel")
@@ -38,11 +48,9 @@ def test_quick_benchmarks_write_their_tables(tmp_path):
     assert {"goodput", "uptime", "time_to_target_s", "heldout_loss"} <= goodput["rows"][0].keys()
     assert (tmp_path / "goodput-quick.png").stat().st_size > 0
 
-    quality = run_quick("quality.py", tmp_path, "--only", "data_parallel", "decoupled K=1 grace")
     assert [r["variant"] for r in quality["rows"]] == ["data_parallel", "decoupled K=1 grace"]
     assert quality["rows"][0]["vs_data_parallel"] == 0.0
 
-    bandwidth = run_quick("bandwidth.py", tmp_path)
     assert {(r["mode"], r["wire"]) for r in bandwidth["rows"]} == {
         ("data_parallel", "float32"),
         ("synchronous", "bfloat16"),
