@@ -1,6 +1,5 @@
 """Layer: actors (Ray shell). Starting a run's synchronizer: one named, detached, restartable
-actor per shard, (existing ones are
-returned as they are)."""
+actor per shard (existing ones are returned as they are)."""
 
 from __future__ import annotations
 
