@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -211,6 +211,13 @@ class SynchronizerCore:
             return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
         if set(delta) != set(base) or any(e.shape != base[k].shape for k, e in delta.items()):
             return self._reject(Verdict.MALFORMED, meta)
+        # A restore that fell back to an older value published it again under a fresh number
+        # (`finish_recovery`): a learner still on the old number holds the same value, so its
+        # contribution is judged from the newest number, not as stale by the gap the rename left
+        # (the storm chaos run: every offer refused as stale for 10 s, no round closing).
+        alias = max(v for v, values in hist.items() if values is base)
+        if alias != meta.base_version:
+            meta = replace(meta, base_version=alias)
         anchor = self.values[meta.fragment]
         theta, sq = {}, {}
         for k, e in delta.items():

@@ -135,6 +135,27 @@ def test_without_learners_the_checkpoint_comes_back_under_a_fresh_number(
     )
 
 
+def test_a_learner_on_the_renamed_number_is_not_stale(setup: Setup, tmp_path: Path) -> None:
+    # Six rounds past the checkpoint and nobody to hand them back: the checkpoint's value
+    # (version 1) comes back as version 8. A learner that adopted it as 1 during the recovery
+    # holds the newest value: its offer is judged from 8, not refused as 7 versions stale.
+    run = Run(setup, tmp_path)
+    run.rounds(1)
+    checkpoint = copy.deepcopy(run.core.state_dict())
+    run.log.compact(run.core.book.versions())
+    run.rounds(6)
+    core = run.restarted(checkpoint)
+    assert [core.finish_recovery(p) for p in (0, 1)] == [(1, 6), (1, 6)]
+    assert core.book.versions() == {0: 8, 1: 8}
+    assert setup.cfg.diloco.max_staleness_versions < 8 - 1
+    core.register("a", 0, now=run.now)
+    paths = setup.plan.fragments[0]
+    delta = wire.encode_tree({k: np.full(np.shape(setup.init[k]), 0.01) for k in paths}, "bfloat16")
+    meta = ContributionMeta("a", 0, 0, 1, 4, 4, 256)
+    assert core.offer(meta, delta, run.now) is Verdict.ACCEPTED
+    assert core.book.fragments[0].pending["a"].meta.base_version == 8
+
+
 def test_resumed_run_adopts_the_checkpoint_at_once(setup: Setup, tmp_path: Path) -> None:
     run = Run(setup, tmp_path)
     run.rounds(1)
