@@ -383,7 +383,7 @@ def published_scale(per_core_mb_s: float) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    fig = Figure(figsize=(6.4, 4.0))
+    fig = Figure(figsize=(8.0, 4.0))
     ax = fig.add_subplot()
     for n in sorted({r["params"] for r in rows}):
         cells = sorted((r for r in rows if r["params"] == n), key=lambda r: r["shards"])
@@ -404,7 +404,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(sorted({r["shards"] for r in rows}))
     ax.set_title("Merged (solid) vs offered (dotted), 4 fake learners, 2 cores")
-    ax.legend()
+    # Beside the axes: inside, it hid the points of whichever model size ran highest.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
