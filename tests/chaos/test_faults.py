@@ -6,7 +6,7 @@ advances throughout (uptime 1.0 from the first round on, one learner always live
 its detection and the recovery appear on the event tape in that order; nothing non-finite or
 fenced was merged; the ledger neither lost nor double-counted tokens; the held-out loss is no
 worse than the fault-free reference run with the same seed plus `LOSS_TOLERANCE`
-(`MULTI_HOST_LOSS_TOLERANCE` for the two-host learner).
+(`MULTI_HOST_LOSS_TOLERANCE` for the two-host learner, `STORM_LOSS_TOLERANCE` for the storm).
 """
 
 from __future__ import annotations
@@ -250,6 +250,17 @@ STORM = [  # several kinds at once, on both learners and the synchronizer
 ]
 
 
+# The storm's held-out loss spreads far wider than one fault's: 8 runs on an idle machine ended at
+# 0.87, 1.09, 1.13, 1.17, 1.37, 1.38, 1.52 and 1.58 (reference 0.943). When its synchronizer kill
+# lands while both learners restart, the shard falls back to its checkpoint (up to 13 merged rounds
+# rolled back, the outer momentum the checkpoint's), and that run ended highest. The one-fault
+# bound (+0.6) lies inside that spread; a merged NaN or garbage still ends far above this one.
+STORM_LOSS_TOLERANCE = 0.9
+# Honest offers refused as stale: 0 in each of those 8 runs. Before a43a9d1, learners holding a
+# value under the number a fall-back renamed had every offer refused as stale for ~10 s (122-150).
+STORM_MAX_STALE_REFUSALS = 30
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_storm_of_mixed_faults(
@@ -263,7 +274,10 @@ def test_storm_of_mixed_faults(
         rejections={"non_finite", "recovering"},  # (the synchronizer's kill: sent again)
         full_uptime=False,  # the synchronizer is down for a while
         settle_s=10.0,
+        tolerance=STORM_LOSS_TOLERANCE,
     )
+    stale = run.summary["rejected"].get("stale_version", 0)
+    assert stale <= STORM_MAX_STALE_REFUSALS, run.summary["rejected"]
     # A fault due while its learner is down (restarting) is skipped, not injected.
     injected = [o.fault for o in run.outcomes]
     assert len(injected) >= 6 and {"kill_synchronizer", "kill_host"} <= set(injected), injected
