@@ -212,9 +212,10 @@ class SynchronizerCore:
         if set(delta) != set(base) or any(e.shape != base[k].shape for k, e in delta.items()):
             return self._reject(Verdict.MALFORMED, meta)
         # A restore that fell back to an older value published it again under a fresh number
-        # (`finish_recovery`): a learner still on the old number holds the same value, so its
-        # contribution is judged from the newest number, not as stale by the gap the rename left
-        # (the storm chaos run: every offer refused as stale for 10 s, no round closing).
+        # (`finish_recovery` stores the same object under both): a learner still on the old
+        # number holds the newest value, so its contribution is judged from the newest number
+        # naming it, not as stale by the gap the rename left (the storm chaos run: every offer
+        # refused as stale for 10 s, no round closing). The history holds a handful of versions.
         alias = max(v for v, values in hist.items() if values is base)
         if alias != meta.base_version:
             meta = replace(meta, base_version=alias)
