@@ -40,7 +40,7 @@ import ray
 from ray_diloco.actors.faults import ChaosEngine, HostRef
 from ray_diloco.actors.learner_slot import make_slot, stop_all
 from ray_diloco.actors.membership import lost_nodes
-from ray_diloco.actors.resources import head_pin_options
+from ray_diloco.actors.resources import actor_runtime_env, head_pin_options
 from ray_diloco.actors.supervisor_membership import UP as _UP
 from ray_diloco.actors.supervisor_membership import MembershipDuty
 from ray_diloco.actors.sync_watch import ShardWatch, uptime_window_s
@@ -429,6 +429,7 @@ def create_supervisor(
     options = {
         "name": supervisor_name(cfg),
         "namespace": cfg.synchronizer.namespace,
+        "runtime_env": actor_runtime_env(),
         **head_pin_options(),
     }
     actor = Supervisor.options(**options)  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_diloco.actors.resources import head_pin_options
+from ray_diloco.actors.resources import actor_runtime_env, head_pin_options
 from ray_diloco.actors.sync_shards import shard_name
 from ray_diloco.actors.synchronizer import Synchronizer
 from ray_diloco.config import RunConfig
@@ -35,7 +35,7 @@ def synchronizer_options(cfg: RunConfig, shard: int = 0) -> dict[str, Any]:
         "max_restarts": -1,
         "max_task_retries": -1,
         # The synchronizer does no forward/backward: never let JAX grab an accelerator.
-        "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}},
+        "runtime_env": actor_runtime_env({"JAX_PLATFORMS": "cpu"}),
         **placement,
     }
 

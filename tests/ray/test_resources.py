@@ -98,6 +98,7 @@ class _Probe:
             "node_id": ctx.get_node_id(),
             "pg_id": ctx.get_placement_group_id(),
             "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+            "niceness": os.nice(0),
         }
 
     def sleep(self, seconds: float) -> None:
@@ -132,6 +133,8 @@ def test_cpu_group_places_hosts_on_bundles(ray_local: Any) -> None:
         assert info["pg_id"] == placement.placement_group.id.hex()
         assert info["node_id"] == table["bundles_to_node_id"][i]
         assert info["jax_platforms"] == "cpu"
+        # not Ray's default 15: a host must get its share of a busy machine's CPU
+        assert info["niceness"] == 0
     release(placement)
     release(placement)  # idempotent
     assert placement_state(placement) == "REMOVED"
