@@ -175,10 +175,11 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        killed: list[Any] = []
         try:
-            _wait_for_rounds_past_a_checkpoint(first, ckpt_dir, mark, 400)
-        finally:
-            cluster = [first, *psutil.Process(first.pid).children(recursive=True)]
+            killed = _kill_at_rounds_past_a_checkpoint(first, ckpt_dir, mark, 400)
+        finally:  # (on a failure too: no cluster left behind)
+            cluster = killed or [first, *psutil.Process(first.pid).children(recursive=True)]
             for proc in cluster:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.kill()
@@ -217,17 +218,31 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
         assert acct["final_cursor"] == acct["tokens"], (name, acct)
 
 
-def _wait_for_rounds_past_a_checkpoint(
+def _kill_at_rounds_past_a_checkpoint(
     proc: subprocess.Popen[bytes], ckpt_dir: Path, mark: Any, timeout_s: float
-) -> None:
-    """Wait until the synchronizer has published two rounds more than its newest complete
-    checkpoint (a directory named by its round count) holds."""
+) -> list[Any]:
+    """SIGKILL the session `proc` leads (driver, Ray's daemons, every actor) as soon as the
+    synchronizer has published two rounds more than its newest complete checkpoint (a directory
+    named by its round count) holds. The process list is taken beforehand, and refreshed while
+    waiting: listing a process tree on a busy machine took long enough for the synchronizer to
+    write another checkpoint before the kill landed, and nothing was past it any more.
+    Returns the processes killed."""
+    import psutil
+
     deadline = time.monotonic() + timeout_s
+    listed, listed_at = [], 0.0
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the first session ended before it was killed"
+        if time.monotonic() - listed_at > 2.0:
+            listed = psutil.Process(proc.pid).children(recursive=True)
+            listed_at = time.monotonic()
         steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()]
         if steps and sum(mark.load().versions.values()) >= max(steps) + 2:
-            return
+            killed = [psutil.Process(proc.pid), *listed]
+            for p in killed:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            return killed
         time.sleep(0.05)
     raise AssertionError(f"no rounds past a checkpoint in {ckpt_dir} after {timeout_s} s")
 
