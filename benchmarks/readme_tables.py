@@ -123,6 +123,22 @@ def recovery(data: dict[str, Any]) -> str:
     return markdown_table(rows, list(rows[0]))
 
 
+def spread(data: dict[str, Any]) -> str:
+    rows = [
+        {
+            "runs": label,
+            "code": f"`{stats['commit']}`",
+            "held-out loss (mean)": _num(stats["mean"]),
+            "min .. max": f"{_num(stats['min'])} .. {_num(stats['max'])}",
+            "spread": _num(stats["spread"]),
+            "norm-guard refusals": str(stats["norm_outlier_total"]),
+            "command": f"`{stats['command']}`",
+        }
+        for label, stats in data["meta"]["labels"].items()
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
 def goodput_sim(data: dict[str, Any]) -> str:
     rows, meta = data["rows"], data["meta"]
     learners = sorted({r["learners"] for r in rows if r["system"] == "decoupled"})
@@ -255,6 +271,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "overhead": overhead,
     "recovery": recovery,
     "recovery_load": recovery,
+    "spread": spread,
     "goodput_sim": goodput_sim,
     "goodput_sim_slow_repair": goodput_sim,
     "bandwidth_sim": bandwidth_sim,
