@@ -214,12 +214,12 @@ class RoundBook:
             for frag in self.fragments.values():  # a new incarnation adopts every one afresh
                 frag.merged.pop(learner, None)
                 frag.taken_step.pop(learner, None)
-                fenced += self._fence_pending(frag, learner, now)
+                fenced += self._fence_pending(frag, learner)
         # (The same incarnation registering again kept training through a synchronizer
         # restart: its counters still hold the work the restored book says was merged.)
         return self.versions(), fenced
 
-    def _fence_pending(self, frag: _FragmentState, learner: str, now: float) -> list[Pending]:
+    def _fence_pending(self, frag: _FragmentState, learner: str) -> list[Pending]:
         """Remove an older incarnation's pending entry of `frag`. Merging its payload would let
         a process known to be gone (perhaps corrupt) write to the global model, and adding its
         counters to the new incarnation's entry, whose payload does not hold that work, would
@@ -379,7 +379,8 @@ class RoundBook:
         distance to the current global value includes other learners' drift; per step, because
         a contribution covering more steps is longer by construction; only updates after the
         inner warm-up, during which they grow tenfold. Armed once the fragment closed
-        `norm_guard_warmup_rounds` rounds and holds a norm from after the warm-up."""
+        `norm_guard_warmup_rounds` rounds (rounds, not stored norms: with M learners one round
+        adds M of them) and holds a norm from after the warm-up."""
         warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
         if not (warm and frag.norms and self._after_warmup(meta)):
             return False
