@@ -78,6 +78,7 @@ class SyncChannel:
         self.me = ray.get_runtime_context().current_actor
         self.name, self.region, self.incarnation = lg.name, lg.region, incarnation
         self.num_hosts = lg.num_hosts
+        self.batch_size = lg.batch_size
         self.counts = counts
         # This learner's upstream pipe. (In the reference run the learners of a region share
         # one; here each learner has its own, as separate processes.)
@@ -116,7 +117,7 @@ class SyncChannel:
     def _register(self, shard: int, held: Any) -> dict[str, Any]:
         try:
             ref: Any = self.shards[shard].register.remote(
-                self.name, self.incarnation, [self.me], self.region, held
+                self.name, self.incarnation, [self.me], self.region, held, self.batch_size
             )
             return cast(dict[str, Any], ray.get(ref, timeout=REGISTER_TIMEOUT_S))
         except ray.exceptions.RayTaskError as err:

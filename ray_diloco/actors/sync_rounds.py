@@ -54,6 +54,7 @@ class RoundDuty:
     _targets: Any
     _publish: Any
     _round_metrics: Any
+    _record_rejection: Any  # (meta, reason) -> None, under the lock
 
     def _loop(self) -> None:
         restarted = self.restored is not None and self.restored.get("restart")
@@ -121,7 +122,8 @@ class RoundDuty:
                     self.core.book.abort(close, self._now())
                 continue
             with self._lock:
-                self.core.commit(pub, self._now())
+                for meta in self.core.commit(pub, self._now()):  # dropped as late
+                    self._record_rejection(meta, "late")
                 for c in close.contributions:
                     self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
                 if self.store is not None:  # before the version leaves this process

@@ -50,7 +50,7 @@ from ray_diloco.actors.sync_evaluation import EvaluationDuty
 from ray_diloco.actors.sync_publish import PublishDuty
 from ray_diloco.actors.sync_restore import ShardStore
 from ray_diloco.actors.sync_rounds import RoundDuty
-from ray_diloco.algorithm.wire import tree_bytes
+from ray_diloco.algorithm.wire import offered_bytes, tree_bytes
 from ray_diloco.config import RunConfig, config_digest
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
@@ -128,6 +128,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         host_handles: list[Any],
         region: str = LOCAL_REGION,
         held: tuple[Any, ...] | None = None,
+        batch_size: int | None = None,
     ) -> dict[str, Any]:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
         latest published version of every fragment, its data (cursor, offset into the first
@@ -135,12 +136,18 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         fragment being recovered, the newest version found so far (a learner holding a newer
         one hands it over with `provide`).
         `held`: what a learner that kept training through this shard's restart holds (leases,
-        offset, cursor, and the newest version of each fragment)."""
+        offset, cursor, and the newest version of each fragment). `batch_size`: its examples
+        per inner step, which bound the tokens its contributions may claim."""
         from ray_diloco.algorithm.leases import Lease
 
         with self._lock:
             kept = None if held is None else ([Lease(*x) for x in held[0]], held[1], held[2])
-            a = self.core.register(learner, incarnation, self._now(), kept)
+            per_step = None
+            if batch_size is not None:
+                per_step = batch_size * self.setup.task.data.tokens_per_example
+            a = self.core.register(learner, incarnation, self._now(), kept, per_step)
+            for meta in a.fenced:
+                self._record_rejection(meta, "old_incarnation")
             self._mark_leases()
             if self.store is not None:
                 versions = held[3] if held is not None and len(held) > 3 else {}
@@ -295,17 +302,19 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             self._publish(meta.fragment, *newest, behind)
         self._wake.set()
         region = self.regions.get(meta.learner, LOCAL_REGION)
-        self.metrics.link_bytes(meta.learner, region, "up", tree_bytes(delta))
+        self.metrics.link_bytes(meta.learner, region, "up", offered_bytes(delta))
         if verdict.value != "accepted":
-            self.metrics.contribution_rejected(meta.learner, verdict.value)
             with self._lock:
-                self.journal.record(
-                    ContributionRejected(
-                        time.time(), meta.learner, meta.incarnation, meta.fragment, verdict.value
-                    )
-                )
-            logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, verdict)
+                self._record_rejection(meta, verdict.value)
         return verdict.value
+
+    def _record_rejection(self, meta: ContributionMeta, reason: str) -> None:
+        """A refused contribution, on the event tape and in the metrics (under the lock)."""
+        self.metrics.contribution_rejected(meta.learner, reason)
+        self.journal.record(
+            ContributionRejected(time.time(), meta.learner, meta.incarnation, meta.fragment, reason)
+        )
+        logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, reason)
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:

@@ -15,6 +15,11 @@ A round of fragment p closes when both hold:
 The grace window is fixed when the quorum is reached:
   grace = min(grace_max_s, grace_fraction * max(0, overlap_steps * step_time
                                                   - (quorum_wait + sync_time)))
+
+Guards (section 7) refuse, with a reason (`Verdict`), what must never reach the global model or
+the ledger: unknown learners, older incarnations, versions out of range, empty or implausible
+counters, a replay of work already taken, non-finite values, and an update whose own norm per
+inner step is more than `norm_guard` times the median of the fragment's recent ones.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 from ray_diloco.config import DilocoConfig, SynchronizerConfig
 
-NORM_HISTORY = 32  # accepted outer-gradient norms kept per fragment for the running median
+NORM_HISTORY = 32  # accepted per-step update norms kept per fragment for the running median
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,17 @@ class RoundPolicy:
     heartbeat_timeout_s: float
     step_time_ema: float
     everyone: bool = False  # K is every learner in the run (synchronous mode's barrier)
+    inner_warmup_steps: int = 0  # the norm guard judges only updates taken after these
+    max_tokens: int | None = None  # the run's token budget: no contribution holds more work
 
     @classmethod
     def from_config(
-        cls, diloco: DilocoConfig, sync: SynchronizerConfig, num_learners: int
+        cls,
+        diloco: DilocoConfig,
+        sync: SynchronizerConfig,
+        num_learners: int,
+        inner_warmup_steps: int = 0,
+        token_budget: int | None = None,
     ) -> RoundPolicy:
         # Synchronous mode (algorithm.md section 8): K = M and no grace, i.e. a barrier.
         synchronous = diloco.mode == "synchronous"
@@ -65,6 +77,8 @@ class RoundPolicy:
             heartbeat_timeout_s=sync.heartbeat_timeout_s,
             step_time_ema=sync.step_time_ema,
             everyone=synchronous,
+            inner_warmup_steps=inner_warmup_steps,
+            max_tokens=token_budget,
         )
 
 
@@ -90,7 +104,10 @@ class Verdict(enum.StrEnum):
     EMPTY = "empty"
     NON_FINITE = "non_finite"
     NORM_OUTLIER = "norm_outlier"
-    MALFORMED = "malformed"
+    MALFORMED = "malformed"  # wrong leaves, shapes, encoding, or a fragment it does not own
+    IMPLAUSIBLE = "implausible"  # more steps or tokens than the learner can have trained
+    REPLAYED = "replayed"  # no newer than work of this incarnation already taken
+    LATE = "late"  # `late_policy: drop`, and it arrived while its round was merging
     RECOVERING = "recovering"  # the fragment's shard is adopting its newest value after a restart
 
 
@@ -131,7 +148,10 @@ class _FragmentState:
     quorum_s: float | None = None
     grace_s: float = 0.0
     merging: bool = False
+    # Per-step norms of accepted updates taken after the inner warm-up (the guard's median).
     norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
+    # learner -> the inner step of its newest accepted contribution (of its incarnation).
+    taken_step: dict[str, int] = field(default_factory=dict)
     # learner -> (base version, steps, tokens) of its counters already merged on that base,
     # and what they were before the round now merging (restored if the merge is aborted).
     merged: dict[str, tuple[int, int, int]] = field(default_factory=dict)
@@ -144,6 +164,7 @@ class _Member:
     last_seen_s: float
     step_time_s: float | None = None
     active: bool = True
+    tokens_per_step: int | None = None  # what one inner step reads; None: not checked
 
 
 class RoundBook:
@@ -171,23 +192,45 @@ class RoundBook:
 
     # -- membership (section 7) -------------------------------------------------------------
 
-    def register(self, learner: str, incarnation: int, now: float) -> dict[int, int]:
-        """Admit `incarnation` of `learner`, fencing older ones. Returns the versions to adopt."""
+    def register(
+        self, learner: str, incarnation: int, now: float, tokens_per_step: int | None = None
+    ) -> tuple[dict[int, int], list[Pending]]:
+        """Admit `incarnation` of `learner`, fencing older ones; `tokens_per_step`: what one of
+        its inner steps reads (bounds the tokens it may claim). Returns the versions to adopt
+        and the older incarnation's pending entries, fenced (refusals for the caller to count)."""
         old = self.members.get(learner)
         if old is not None and incarnation < old.incarnation:
             raise ValueError(
                 f"learner {learner!r}: incarnation {incarnation} is older than the registered "
                 f"{old.incarnation}; a restarted learner must use a higher incarnation"
             )
-        self.members[learner] = _Member(incarnation=incarnation, last_seen_s=now)
+        self.members[learner] = _Member(
+            incarnation=incarnation, last_seen_s=now, tokens_per_step=tokens_per_step
+        )
         if self.roster is not None:
             self.roster.add(learner)
+        fenced: list[Pending] = []
         if old is None or incarnation != old.incarnation:
             for frag in self.fragments.values():  # a new incarnation adopts every one afresh
                 frag.merged.pop(learner, None)
+                frag.taken_step.pop(learner, None)
+                fenced += self._fence_pending(frag, learner)
         # (The same incarnation registering again kept training through a synchronizer
         # restart: its counters still hold the work the restored book says was merged.)
-        return self.versions()
+        return self.versions(), fenced
+
+    def _fence_pending(self, frag: _FragmentState, learner: str) -> list[Pending]:
+        """Remove an older incarnation's pending entry of `frag`. Merging its payload would let
+        a process known to be gone (perhaps corrupt) write to the global model, and adding its
+        counters to the new incarnation's entry, whose payload does not hold that work, would
+        count tokens nothing merged."""
+        entry = frag.pending.pop(learner, None)
+        if entry is None:
+            return []
+        frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
+        if len(frag.pending) < self.quorum():
+            frag.quorum_s, frag.grace_s = None, 0.0
+        return [entry]
 
     def heartbeat(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None
@@ -250,11 +293,12 @@ class RoundBook:
         now: float,
         *,
         finite: bool = True,
-        outer_grad_norm: float | None = None,
+        update_norm: float | None = None,
         payload: Any = None,
     ) -> Verdict:
-        """Fence and guard a contribution, then add it to its fragment's pending set."""
-        verdict = self._check(meta, finite, outer_grad_norm)
+        """Fence and guard a contribution, then add it to its fragment's pending set.
+        `update_norm`: the L2 norm of the learner's own update (its delta to its base)."""
+        verdict = self._check(meta, finite, update_norm)
         if verdict is not Verdict.ACCEPTED:
             return verdict
         frag = self.fragments[meta.fragment]
@@ -267,8 +311,9 @@ class RoundBook:
             steps, tokens = steps - done[1], tokens - done[2]
             if steps <= 0 or tokens <= 0:
                 return Verdict.EMPTY
-        if outer_grad_norm is not None:
-            frag.norms.append(outer_grad_norm)
+        frag.taken_step[meta.learner] = meta.step
+        if update_norm is not None and self._after_warmup(meta):
+            frag.norms.append(update_norm / meta.num_steps)
         old = frag.pending.get(meta.learner)
         if old is not None and old.meta.base_version < meta.base_version:
             # The learner's counters restart when it adopts a new version, so work in an entry
@@ -301,16 +346,46 @@ class RoundBook:
             return Verdict.STALE_VERSION
         if meta.num_steps <= 0 or meta.num_tokens <= 0:
             return Verdict.EMPTY
-        # The warm-up counts closed rounds of this fragment, not stored norms: with M learners
-        # one round adds M norms, and norms still grow ~10x while the inner learning rate warms
-        # up, so counting norms rejected honest contributions in round 2 (and, in synchronous
-        # mode, left every learner blocked on a round that could never reach K = M).
-        warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
-        if norm is not None and warm and frag.norms:
-            median = statistics.median(frag.norms)
-            if median > 0 and norm > self.policy.norm_guard * median:
-                return Verdict.NORM_OUTLIER
+        if self._implausible(meta, m):
+            return Verdict.IMPLAUSIBLE
+        if meta.step <= frag.taken_step.get(meta.learner, -1):
+            # An incarnation's steps only grow: an offer no newer than one already taken is a
+            # replay (resent, duplicated or reordered), and taking it would count its work twice.
+            return Verdict.REPLAYED
+        if norm is not None and self._outlier(frag, meta, norm):
+            return Verdict.NORM_OUTLIER
         return Verdict.ACCEPTED
+
+    def _implausible(self, meta: ContributionMeta, m: _Member) -> bool:
+        """Counters no honest learner sends: more steps since its base than it took in all,
+        more tokens than its steps can read, or more work than the whole run's budget (the
+        norm guard divides by the steps, and the merge weighs by the tokens: neither may be
+        inflated at will)."""
+        if meta.num_steps > meta.step:
+            return True
+        per_step = m.tokens_per_step
+        if per_step is not None and meta.num_tokens > meta.num_steps * per_step:
+            return True
+        work = max(meta.num_tokens, meta.num_steps * (per_step or 0))
+        return self.policy.max_tokens is not None and work > self.policy.max_tokens
+
+    def _after_warmup(self, meta: ContributionMeta) -> bool:
+        """Every step of the contribution came after the inner learning-rate warm-up."""
+        return meta.step - meta.num_steps >= self.policy.inner_warmup_steps
+
+    def _outlier(self, frag: _FragmentState, meta: ContributionMeta, norm: float) -> bool:
+        """The norm guard (algorithm.md section 7, revised): the learner's own update per inner
+        step against the median of the fragment's recent ones. Its own update, because the
+        distance to the current global value includes other learners' drift; per step, because
+        a contribution covering more steps is longer by construction; only updates after the
+        inner warm-up, during which they grow tenfold. Armed once the fragment closed
+        `norm_guard_warmup_rounds` rounds (rounds, not stored norms: with M learners one round
+        adds M of them) and holds a norm from after the warm-up."""
+        warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
+        if not (warm and frag.norms and self._after_warmup(meta)):
+            return False
+        median = statistics.median(frag.norms)
+        return median > 0 and norm / meta.num_steps > self.policy.norm_guard * median
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
         if frag.quorum_s is not None or len(frag.pending) < self.quorum():
@@ -375,23 +450,26 @@ class RoundBook:
         frag.merging = True
         return close
 
-    def commit(self, close: RoundClose, sync_time_s: float, now: float) -> int:
-        """The caller merged and published `close`: bump the version and learn the sync time."""
+    def commit(self, close: RoundClose, sync_time_s: float, now: float) -> list[Pending]:
+        """The caller merged and published `close`: bump the version and learn the sync time.
+        Returns the contributions dropped as late (`late_policy: drop`): refusals to count."""
         frag = self.fragments[close.fragment]
         frag.version = close.version
         frag.merging = False
         frag.undo = {}
         a = self.policy.step_time_ema
         self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
+        late: list[Pending] = []
         if self.policy.late_policy == "drop":
             # Contributions that arrived while their round was merging are late: drop them.
-            kept = {k: e for k, e in frag.pending.items() if e.meta.base_version >= frag.version}
-            if len(kept) != len(frag.pending):
-                frag.pending = kept
-                frag.opened_s = min((e.arrived_s for e in kept.values()), default=None)
-                frag.quorum_s = None
+            late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
+            for e in late:
+                del frag.pending[e.meta.learner]
+            if late:
+                frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
+                frag.quorum_s, frag.grace_s = None, 0.0
         self._maybe_reach_quorum(frag, now)
-        return frag.version
+        return late
 
     def abort(self, close: RoundClose, now: float) -> None:
         """Merging failed: put the contributions back so no work is forgotten."""

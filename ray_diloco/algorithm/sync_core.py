@@ -41,6 +41,14 @@ CATCH_UP = frozenset(
 )
 
 
+def _well_formed(delta: object, like: Values) -> bool:
+    """`delta` holds one decodable encoded leaf of the right shape for every leaf of `like`
+    (the fragment's value), and nothing else."""
+    if not isinstance(delta, Mapping) or set(delta) != set(like):
+        return False
+    return all(wire.well_formed(e, like[k].shape) for k, e in delta.items())
+
+
 @dataclass(frozen=True)
 class Admission:
     """What a registered learner starts from: fragment versions, its leases of the data (the
@@ -50,6 +58,8 @@ class Admission:
     leases: list[Lease]
     offset: int
     cursor: int
+    # The older incarnation's contributions still pending, fenced: refusals to record.
+    fenced: tuple[ContributionMeta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,13 @@ class SynchronizerCore:
         self.owned = tuple(range(plan.num_fragments) if fragments is None else sorted(fragments))
         self.owns_data = owns_data
         self.book = RoundBook(
-            RoundPolicy.from_config(cfg.diloco, cfg.synchronizer, cfg.num_learners),
+            RoundPolicy.from_config(
+                cfg.diloco,
+                cfg.synchronizer,
+                cfg.num_learners,
+                cfg.inner.warmup_steps,
+                cfg.token_budget,
+            ),
             plan.num_fragments,
             sync_time_s=cfg.sync_time_s,
             roster={lg.name for lg in cfg.learners},
@@ -147,21 +163,26 @@ class SynchronizerCore:
         incarnation: int,
         now: float,
         held: tuple[list[Lease], int, int] | None = None,
+        tokens_per_step: int | None = None,
     ) -> Admission:
         """Admit `incarnation` of `learner` (fencing older ones): the versions it adopts and
         the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
-        cursor) of a learner that kept training through a synchronizer restore."""
-        versions = self.book.register(learner, incarnation, now)
+        cursor) of a learner that kept training through a synchronizer restore;
+        `tokens_per_step`: what one of its inner steps reads (bounds the tokens it claims)."""
+        versions, pending = self.book.register(learner, incarnation, now, tokens_per_step)
+        fenced = tuple(e.meta for e in pending)
+        for meta in fenced:
+            self._reject(Verdict.OLD_INCARNATION, meta)
         if not self.owns_data:
             cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
-            return Admission(versions, [], 0, cursor)
+            return Admission(versions, [], 0, cursor, fenced)
         if held is not None:
             self.ledger.pool.reclaim(learner, *held)
             acct = self.ledger.account(learner)
             acct.cursor = max(acct.cursor, held[2])
         leases, offset = self.ledger.join(learner, self.homes.get(learner))
         cursor = self.ledger.resume_cursor(learner)
-        return Admission(versions, leases, offset, cursor)
+        return Admission(versions, leases, offset, cursor, fenced)
 
     def leave(self, learner: str, now: float) -> list[Lease]:
         """`learner` left the run for good: out of the quorum, its unread data back to the
@@ -194,13 +215,18 @@ class SynchronizerCore:
     ) -> Verdict:
         """Take a contribution: `delta` is theta minus the published value of its base version.
         A contribution whose distance to G squares past float32 (above ~1.8e19 in an element)
-        is garbage, and refused as non-finite like a NaN."""
-        self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.tree_bytes(delta)
-        hist = self.published.get(meta.fragment)
-        if hist is None:  # a fragment another shard owns: the learner routed it wrongly
+        is garbage, and refused as non-finite like a NaN. A broken or malicious one (a fragment
+        this core does not own, wrong leaves, shapes or encoding, counters no learner can
+        reach, a replay) is refused with its reason and changes neither model nor ledger."""
+        self.bytes_up[meta.learner] = self.bytes_up.get(meta.learner, 0) + wire.offered_bytes(delta)
+        current = self.values.get(meta.fragment)
+        if current is None:  # a fragment another shard owns (routed wrongly), or no such one
             return self._reject(Verdict.MALFORMED, meta)
         if meta.fragment in self.recovering:  # its value is not back yet: offered again later
             return self._reject(Verdict.RECOVERING, meta)
+        if not _well_formed(delta, current):  # checked before anything decodes it
+            return self._reject(Verdict.MALFORMED, meta)
+        hist = self.published[meta.fragment]
         base = hist.get(meta.base_version)
         if base is None:
             if not merge.all_finite(wire.decode_tree(delta)):  # non-finite whatever its version
@@ -209,8 +235,6 @@ class SynchronizerCore:
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
             return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
-        if set(delta) != set(base) or any(e.shape != base[k].shape for k, e in delta.items()):
-            return self._reject(Verdict.MALFORMED, meta)
         # A restore that fell back to an older value published it again under a fresh number
         # (`finish_recovery` stores the same object under both): a learner still on the old
         # number holds the newest value, so its contribution is judged from the newest number
@@ -219,20 +243,21 @@ class SynchronizerCore:
         alias = max(v for v, values in hist.items() if values is base)
         if alias != meta.base_version:
             meta = replace(meta, base_version=alias)
-        anchor = self.values[meta.fragment]
-        theta, sq = {}, {}
+        theta, sq, own = {}, {}, 0.0
         for k, e in delta.items():
-            theta[k], sq[k] = wire.decode_add(e, base[k], anchor[k])
-        total = sum(sq.values())
-        finite = math.isfinite(total)
-        norm = math.sqrt(total) if finite else None
-        held = Held(theta, sq, anchor)
-        verdict = self.book.offer(meta, now, finite=finite, outer_grad_norm=norm, payload=held)
+            theta[k], sq[k], leaf_own = wire.decode_add(e, base[k], current[k])
+            own += leaf_own
+        finite = math.isfinite(sum(sq.values()))
+        norm = math.sqrt(own) if finite else None  # the learner's own update (the guard's)
+        held = Held(theta, sq, current)
+        verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=held)
         return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
 
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
-        self.rejected_tokens += meta.num_tokens
+        # Tokens refused: the work lost. An implausible claim's counters are not believed.
+        if verdict is not Verdict.IMPLAUSIBLE:
+            self.rejected_tokens += meta.num_tokens
         return verdict
 
     # -- rounds -------------------------------------------------------------------------------
@@ -281,9 +306,14 @@ class SynchronizerCore:
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, encoded, close, elapsed)
 
-    def commit(self, pub: Publication, now: float) -> None:
+    def commit(self, pub: Publication, now: float) -> list[ContributionMeta]:
+        """Account the merged round. Returns the contributions dropped as late (`late_policy:
+        drop`), counted as refused: refusals to record."""
         self.ledger.record_merge(pub.close)
-        self.book.commit(pub.close, pub.sync_time_s, now)
+        late = [e.meta for e in self.book.commit(pub.close, pub.sync_time_s, now)]
+        for meta in late:
+            self._reject(Verdict.LATE, meta)
+        return late
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""

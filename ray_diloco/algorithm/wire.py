@@ -77,6 +77,28 @@ def wire_bytes(num_elements: int, dtype: WireDtype, block_size: int = 64) -> int
     return (num_elements + 1) // 2 + 4 * _num_blocks(num_elements, block_size)
 
 
+def _scale_bytes(num_elements: int, dtype: WireDtype, block_size: int) -> int:
+    """Bytes of scales a leaf of `num_elements` elements carries (the rest is payload)."""
+    if dtype == "int8":
+        return 4
+    return 4 * _num_blocks(num_elements, block_size) if dtype == "int4" else 0
+
+
+def well_formed(enc: object, shape: tuple[int, ...]) -> bool:
+    """`enc` is an `Encoded` leaf of `shape` that decodes: a wire dtype, and payload and scales
+    of the byte counts its elements need. The synchronizer checks a learner's offer with it
+    before decoding (a broken or malicious one is refused, never a crash)."""
+    if not (isinstance(enc, Encoded) and enc.shape == shape and enc.dtype in _DTYPES):
+        return False
+    if not (isinstance(enc.payload, bytes) and isinstance(enc.scales, bytes)):
+        return False
+    if enc.dtype == "int4" and (not isinstance(enc.block_size, int) or enc.block_size < 1):
+        return False
+    n = enc.num_elements
+    scales = _scale_bytes(n, enc.dtype, enc.block_size)
+    return len(enc.scales) == scales and enc.nbytes == wire_bytes(n, enc.dtype, enc.block_size)
+
+
 def _symmetric(blocks: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Quantize each row of `blocks` (float64) with scale absmax / qmax; returns (q, scales)."""
     absmax = np.max(np.abs(blocks), axis=1) if blocks.shape[1] else np.zeros(len(blocks))
@@ -189,11 +211,12 @@ def _decoder(enc: Encoded) -> tuple[int, Fill]:
 
 def decode_add(
     enc: Encoded, base: ArrayLike, anchor: ArrayLike | None = None
-) -> tuple[np.ndarray, float]:
+) -> tuple[np.ndarray, float, float]:
     """`decode(enc) + base` as a fresh float32 array of `base`'s shape (a learner's values from
-    its delta and the published base), and `||anchor - result||^2` (0.0 without an anchor;
-    NaN or inf when the result is not finite), in one pass a cache-sized chunk at a time:
-    every contribution goes through here, the synchronizer's hot path."""
+    its delta and the published base), `||anchor - result||^2` (0.0 without an anchor) and
+    `||decode(enc)||^2` (the learner's own update; the norm guard's), NaN or inf when not
+    finite, in one pass a cache-sized chunk at a time: every contribution goes through here,
+    the synchronizer's hot path."""
     n = _checked(enc)
     b = flat32(base)
     if b.size != n:
@@ -202,17 +225,18 @@ def decode_add(
     step, fill = _decoder(enc)
     out = np.empty(n, _F32)
     tmp = np.empty(min(step, n), _F32)
-    sq = 0.0
+    sq = own = 0.0
     with np.errstate(over="ignore", invalid="ignore"):  # a non-finite sum is the answer
         for s in range(0, n, step):
             e = min(s + step, n)
             chunk = out[s:e]
             fill(s, e, chunk)
+            own += float(np.dot(chunk, chunk))  # the delta, while the chunk is in cache
             chunk += b[s:e]
             if g is not None:
                 diff = np.subtract(g[s:e], chunk, out=tmp[: e - s])
                 sq += float(np.dot(diff, diff))
-    return out.reshape(np.shape(base)), sq
+    return out.reshape(np.shape(base)), sq, own
 
 
 def decode(enc: Encoded) -> np.ndarray:
@@ -239,6 +263,16 @@ def decode_tree(encoded: Mapping[str, Encoded]) -> dict[str, np.ndarray]:
 def tree_bytes(encoded: Mapping[str, Encoded]) -> int:
     """Bytes an encoded fragment puts on the wire."""
     return sum(enc.nbytes for enc in encoded.values())
+
+
+def offered_bytes(delta: object) -> int:
+    """Bytes a contribution put on the wire; what is not an encoded leaf counts 0 (a broken
+    learner's offer is refused, and counted, without a crash)."""
+    if not isinstance(delta, Mapping):
+        return 0
+    return sum(
+        e.nbytes for e in delta.values() if isinstance(e, Encoded) and well_formed(e, e.shape)
+    )
 
 
 def tree_wire_bytes(leaf_sizes: Mapping[str, int], dtype: WireDtype, block_size: int = 64) -> int:

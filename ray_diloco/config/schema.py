@@ -59,6 +59,10 @@ class DilocoConfig(_Frozen):
     publish_to: Literal["all", "contributors"] = "all"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
+    # The norm guard (algorithm.md section 7) refuses a contribution whose own update (its delta
+    # to its base) per inner step is more than `norm_guard` times the median of the fragment's
+    # last 32 accepted ones; it judges updates taken after the inner warm-up (`inner.
+    # warmup_steps`) once the fragment closed `norm_guard_warmup_rounds` rounds.
     norm_guard: float = Field(10.0, gt=1)
     norm_guard_warmup_rounds: int = Field(5, ge=0)
     wire_dtype: WireDtype = "bfloat16"

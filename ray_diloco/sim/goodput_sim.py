@@ -326,7 +326,10 @@ class DecoupledSim:
             # round_policy). The learner's counters restart whenever it adopts a version: at
             # its start or at the last commit (every live learner gets each published one).
             book.heartbeat(name, inc, t, step_s)
-            new = max(1, int((t - max(inc_start, self._last_commit)) / step_s))
+            # Its counters never hold more steps than it took (the guards refuse that), at
+            # least one; wall time since the commit includes pauses, when no step was taken.
+            steps = max(1, steps)
+            new = min(steps, max(1, int((t - max(inc_start, self._last_commit)) / step_s)))
             version = book.fragments[0].version
             meta = ContributionMeta(name, inc, 0, version, steps, new, new)
             # The payload says whose work, up to how much: it comes back in the RoundClose.

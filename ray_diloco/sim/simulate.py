@@ -19,7 +19,7 @@ import numpy as np
 
 from ray_diloco.algorithm import links
 from ray_diloco.algorithm.learner_core import LearnerCore
-from ray_diloco.algorithm.setup import Setup
+from ray_diloco.algorithm.setup import Setup, tokens_per_step
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.algorithm.wire import decode_tree, tree_bytes
 from ray_diloco.config import LearnerGroupConfig, RunConfig
@@ -126,7 +126,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     booting: set[str] = set()  # scheduled joiners not registered yet
 
     def admit(lg: LearnerGroupConfig, incarnation: int, t: float) -> LearnerCore:
-        a = sync.register(lg.name, incarnation, t)
+        a = sync.register(lg.name, incarnation, t, tokens_per_step=tokens_per_step(setup.task, lg))
         return LearnerCore(
             cfg,
             lg,

@@ -28,7 +28,7 @@ def _core(publish_to: str) -> SynchronizerCore:
 def _offer(core: SynchronizerCore, learner: str, base: int, now: float) -> Verdict:
     values = core.snapshot()[0][1]
     delta = {k: np.full_like(v, 0.01) for k, v in values.items()}
-    meta = ContributionMeta(learner, 0, 0, base, 4, 4, 256)
+    meta = ContributionMeta(learner, 0, 0, base, 4 * (base + 1), 4, 256)  # 4 steps per base
     return core.offer(meta, wire.encode_tree(delta, "bfloat16"), now=now)
 
 

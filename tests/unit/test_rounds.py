@@ -25,8 +25,11 @@ def policy(**kw) -> RoundPolicy:
     return RoundPolicy(**base)
 
 
-def meta(learner, fragment=0, base=0, steps=4, tokens=400, inc=0) -> ContributionMeta:
-    return ContributionMeta(learner, inc, fragment, base, steps, steps, tokens)
+def meta(learner, fragment=0, base=0, steps=4, tokens=400, inc=0, step=None) -> ContributionMeta:
+    """`step`: the learner's inner step at the offer (default: `steps`, its first offer)."""
+    return ContributionMeta(
+        learner, inc, fragment, base, steps if step is None else step, steps, tokens
+    )
 
 
 def book_with(names, pol, step_time=1.0, num_fragments=1) -> RoundBook:
@@ -47,7 +50,8 @@ def test_grace_window_is_spent_slack_and_closes_on_expiry():
     (close,) = book.poll(now=1.1)
     assert close.grace_s == pytest.approx(1.0)
     assert [c.meta.learner for c in close.contributions] == ["a"]
-    assert book.commit(close, sync_time_s=0.0, now=1.2) == 1
+    assert book.commit(close, sync_time_s=0.0, now=1.2) == []  # nothing dropped as late
+    assert book.versions() == {0: 1}
 
 
 def test_round_closes_early_when_every_live_learner_is_in():
@@ -120,8 +124,10 @@ def test_drop_policy_discards_late_contributions():
     book.offer(meta("a"), now=0.0)
     (close,) = book.poll(now=0.0)
     book.offer(meta("b", base=0), now=0.1)
-    book.commit(close, sync_time_s=0.0, now=0.2)
+    (late,) = book.commit(close, sync_time_s=0.0, now=0.2)
+    assert late.meta.learner == "b"  # returned, so the caller counts it as refused
     assert book.poll(now=0.3) == []
+    assert book.fragments[0].pending == {}
 
 
 def test_replacement_keeps_tokens_exactly_once():
@@ -132,7 +138,7 @@ def test_replacement_keeps_tokens_exactly_once():
     assert book.fragments[0].pending["a"].num_tokens == 800
     # newer base: the learner's counters restarted, so the older entry's work is added
     book.fragments[0].version = 1
-    book.offer(meta("a", base=1, steps=2, tokens=200), now=2.0)
+    book.offer(meta("a", base=1, steps=2, tokens=200, step=10), now=2.0)
     assert book.fragments[0].pending["a"].num_tokens == 1000
     assert book.fragments[0].pending["a"].num_steps == 10
 
@@ -156,16 +162,52 @@ def test_fencing_rejects_old_incarnations_and_stale_versions():
 def test_numerical_guards():
     book = book_with(["a"], policy(norm_guard=10.0, norm_guard_warmup_rounds=3))
     assert book.offer(meta("a"), now=0, finite=False) is Verdict.NON_FINITE
-    assert book.offer(meta("a"), now=0, outer_grad_norm=float("nan")) is Verdict.NON_FINITE
-    # before the warm-up (3 closed rounds) any norm passes; afterwards 10x the median is
-    # rejected
-    for version, n in enumerate((1.0, 2.0, 50.0)):
-        assert book.offer(meta("a", base=version), now=0, outer_grad_norm=n) is Verdict.ACCEPTED
+    assert book.offer(meta("a"), now=0, update_norm=float("nan")) is Verdict.NON_FINITE
+    # before the warm-up (3 closed rounds) any norm passes; afterwards 10x the median of the
+    # per-step norms (update norm / steps) is rejected
+    for version, n in enumerate((4.0, 8.0, 200.0)):  # per step: 1, 2, 50
+        m = meta("a", base=version, step=4 * (version + 1))
+        assert book.offer(m, now=0, update_norm=n) is Verdict.ACCEPTED
         (close,) = book.poll(now=20.0)
         book.commit(close, sync_time_s=0.0, now=20.0)
-    assert book.offer(meta("a", base=3), now=0, outer_grad_norm=1e6) is Verdict.NORM_OUTLIER
-    assert book.offer(meta("a", base=3), now=0, outer_grad_norm=19.9) is Verdict.ACCEPTED
-    assert book.offer(meta("a", base=3, steps=0), now=0) is Verdict.EMPTY
+    assert book.offer(meta("a", base=3, step=16), now=0, update_norm=4e6) is Verdict.NORM_OUTLIER
+    assert book.offer(meta("a", base=3, step=16), now=0, update_norm=79.6) is Verdict.ACCEPTED
+    assert book.offer(meta("a", base=3, steps=0, step=20), now=0) is Verdict.EMPTY
+
+
+def test_norm_guard_judges_the_update_per_step():
+    # A long contribution has a longer update by construction: 100 steps of the usual
+    # per-step size pass; a 1e4x corrupted short one does not.
+    book = book_with(["a"], policy(norm_guard_warmup_rounds=1, max_staleness_versions=50))
+    for version in range(4):
+        m = meta("a", base=version, steps=5, step=5 * (version + 1))
+        assert book.offer(m, now=0, update_norm=5.0) is Verdict.ACCEPTED  # 1 per step
+        (close,) = book.poll(now=20.0)
+        book.commit(close, sync_time_s=0.0, now=20.0)
+    long = meta("a", base=4, steps=100, step=120)
+    assert book.offer(long, now=0, update_norm=100.0 * 5) is Verdict.ACCEPTED  # 5 per step
+    huge = meta("a", base=4, steps=2, step=122)
+    assert book.offer(huge, now=0, update_norm=2e4) is Verdict.NORM_OUTLIER
+
+
+def test_norm_guard_arms_after_the_inner_warmup():
+    # Updates during the inner learning-rate warm-up are small and neither judged nor kept:
+    # the first full-rate update is not refused against them.
+    pol = policy(norm_guard_warmup_rounds=1, inner_warmup_steps=20, max_staleness_versions=50)
+    book = book_with(["a"], pol)
+    for version in range(4):  # steps 1..16: inside the warm-up
+        m = meta("a", base=version, steps=4, step=4 * (version + 1))
+        assert book.offer(m, now=0, update_norm=0.04) is Verdict.ACCEPTED
+        (close,) = book.poll(now=20.0)
+        book.commit(close, sync_time_s=0.0, now=20.0)
+    assert list(book.fragments[0].norms) == []
+    straddles = meta("a", base=4, steps=8, step=24)  # steps 17..24: partly in the warm-up
+    assert book.offer(straddles, now=0, update_norm=80.0) is Verdict.ACCEPTED
+    after = meta("a", base=4, steps=4, step=28)  # steps 25..28, history still empty
+    assert book.offer(after, now=0, update_norm=40.0) is Verdict.ACCEPTED
+    assert list(book.fragments[0].norms) == [10.0]
+    corrupt = meta("a", base=4, steps=4, step=32)
+    assert book.offer(corrupt, now=0, update_norm=40.0 * 1e3) is Verdict.NORM_OUTLIER
 
 
 def test_norm_guard_warm_up_counts_rounds_not_contributions():
@@ -173,11 +215,69 @@ def test_norm_guard_warm_up_counts_rounds_not_contributions():
     # (the inner learning rate warms up). Before the warm-up is over, all of them are accepted.
     book = book_with(["a", "b", "c", "d"], policy(norm_guard_warmup_rounds=2))
     for n in "abcd":
-        assert book.offer(meta(n), now=0, outer_grad_norm=0.01) is Verdict.ACCEPTED
+        assert book.offer(meta(n), now=0, update_norm=0.01) is Verdict.ACCEPTED
     (close,) = book.poll(now=0.0)
     book.commit(close, sync_time_s=0.0, now=0.0)
     for n in "abcd":
-        assert book.offer(meta(n, base=1), now=0, outer_grad_norm=1.0) is Verdict.ACCEPTED
+        assert book.offer(meta(n, base=1, step=8), now=0, update_norm=1.0) is Verdict.ACCEPTED
+
+
+def test_offer_no_newer_than_a_pending_one_is_a_replay():
+    book = book_with(["a", "b"], policy(quorum_min=2))
+    assert book.offer(meta("a", steps=8, tokens=800), now=0.0) is Verdict.ACCEPTED
+    # an older offer arriving after a newer one (reordered) would replace it and lose work
+    assert book.offer(meta("a", steps=4, tokens=400), now=0.1) is Verdict.REPLAYED
+    assert book.fragments[0].pending["a"].num_tokens == 800
+
+
+def test_implausible_counters_are_refused():
+    book = RoundBook(policy(), num_fragments=1)
+    book.register("a", 0, now=0.0, tokens_per_step=100)
+    book.register("b", 0, now=0.0)  # its batch unknown: only its steps are checked
+    # more steps since the base than the learner took in all
+    assert book.offer(meta("a", steps=4, step=3), now=0.0) is Verdict.IMPLAUSIBLE
+    assert book.offer(meta("b", steps=4, step=3), now=0.0) is Verdict.IMPLAUSIBLE
+    # more tokens than 4 steps of 100 tokens can read
+    assert book.offer(meta("a", steps=4, tokens=401), now=0.0) is Verdict.IMPLAUSIBLE
+    assert book.offer(meta("b", steps=4, tokens=10**12), now=0.0) is Verdict.ACCEPTED
+    assert book.offer(meta("a", steps=4, tokens=400), now=0.0) is Verdict.ACCEPTED
+    # more work than the run's budget: tokens, or steps of a known batch
+    book = RoundBook(policy(max_tokens=10_000), num_fragments=1)
+    book.register("a", 0, now=0.0, tokens_per_step=100)
+    book.register("b", 0, now=0.0)
+    assert book.offer(meta("b", steps=4, tokens=10_001), now=0.0) is Verdict.IMPLAUSIBLE
+    assert book.offer(meta("a", steps=101, tokens=400), now=0.0) is Verdict.IMPLAUSIBLE
+    assert book.offer(meta("a", steps=100, tokens=10_000), now=0.0) is Verdict.ACCEPTED
+
+
+def test_replayed_contribution_is_refused():
+    book = book_with(["a"], policy(grace_max_s=0.0, max_staleness_versions=5))
+    first = meta("a", steps=4, tokens=400, step=4)
+    assert book.offer(first, now=0.0) is Verdict.ACCEPTED
+    (close,) = book.poll(now=0.0)
+    book.commit(close, sync_time_s=0.0, now=0.0)
+    assert book.offer(meta("a", base=1, steps=2, step=6), now=0.1) is Verdict.ACCEPTED
+    (close,) = book.poll(now=0.1)
+    book.commit(close, sync_time_s=0.0, now=0.1)
+    # the first offer again (its base is old but within the staleness bound): a replay
+    assert book.offer(first, now=0.2) is Verdict.REPLAYED
+    assert book.fragments[0].pending == {}
+
+
+def test_new_incarnation_drops_the_old_pending_entry():
+    # The old process is fenced: its pending payload may not be merged, and its counters may
+    # not survive into the new incarnation's entry (whose payload does not hold that work).
+    book = book_with(["a", "b"], policy(quorum_min=2, max_staleness_versions=5))
+    old = meta("a", steps=4, tokens=400)
+    book.offer(old, now=0.0)
+    _, fenced = book.register("a", 1, now=1.0)
+    assert [e.meta for e in fenced] == [old]  # returned, so the caller counts it as refused
+    assert "a" not in book.fragments[0].pending and book.fragments[0].opened_s is None
+    assert book.register("a", 1, now=1.5)[1] == []  # the same incarnation again: nothing
+    book.fragments[0].version = 1
+    assert book.offer(meta("a", base=1, steps=2, tokens=200, inc=1), now=2.0) is Verdict.ACCEPTED
+    entry = book.fragments[0].pending["a"]
+    assert (entry.meta.incarnation, entry.num_steps, entry.num_tokens) == (1, 2, 200)
 
 
 def test_offer_again_on_the_same_base_counts_only_new_work():
@@ -192,9 +292,12 @@ def test_offer_again_on_the_same_base_counts_only_new_work():
     (c,) = second.contributions
     assert (c.num_steps, c.num_tokens) == (2, 200)
     book.commit(second, sync_time_s=0.0, now=0.2)
-    assert book.offer(meta("a", steps=6, tokens=600), now=0.3) is Verdict.EMPTY
+    # the same offer again is a replay of merged work
+    assert book.offer(meta("a", steps=6, tokens=600), now=0.3) is Verdict.REPLAYED
+    assert book.offer(meta("a", steps=6, tokens=600, step=7), now=0.3) is Verdict.EMPTY
     # on the new base the counters start afresh; a new incarnation forgets the old record
-    assert book.offer(meta("a", base=2, steps=1, tokens=100), now=0.3) is Verdict.ACCEPTED
+    m = meta("a", base=2, steps=1, tokens=100, step=8)
+    assert book.offer(m, now=0.3) is Verdict.ACCEPTED
     book.register("a", 1, now=0.4)
     assert book.offer(meta("a", base=2, steps=1, tokens=100, inc=1), now=0.4) is Verdict.ACCEPTED
 

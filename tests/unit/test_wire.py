@@ -190,7 +190,7 @@ def test_publish_dtype() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
-def test_decode_add_is_decode_plus_base_and_measures_the_distance(dtype: str) -> None:
+def test_decode_add_is_decode_plus_base_and_measures_the_distances(dtype: str) -> None:
     from ray_diloco.algorithm.chunks import CHUNK
     from ray_diloco.algorithm.wire import decode_add
 
@@ -198,11 +198,13 @@ def test_decode_add_is_decode_plus_base_and_measures_the_distance(dtype: str) ->
     base = rng.normal(size=(2, CHUNK // 2 + 3)).astype(np.float32)
     anchor = base + 0.5
     enc = encode(rng.normal(0, 0.01, base.shape), dtype)
-    theta, sq = decode_add(enc, base, anchor)
+    theta, sq, own = decode_add(enc, base, anchor)
     expected = decode(enc) + base
     np.testing.assert_array_equal(theta, expected)
     assert theta.dtype == np.float32 and theta.shape == base.shape
     assert sq == pytest.approx(float(np.sum((anchor.astype(np.float64) - expected) ** 2)), rel=1e-5)
+    # the learner's own update: the decoded delta alone
+    assert own == pytest.approx(float(np.sum(decode(enc).astype(np.float64) ** 2)), rel=1e-5)
     assert decode_add(enc, base)[1] == 0.0
     with pytest.raises(ValueError, match="elements"):
         decode_add(enc, base[:1])

@@ -1,0 +1,226 @@
+"""Broken or malicious contributions (issue 15): a fragment of the wrong shape or dtype, a
+wrong fragment index, an absurd token or step count, a replay, a corrupted (blown-up or NaN)
+update, late ones under `late_policy: drop` and an old incarnation's pending one are refused
+with their reason counted, and change neither the global model nor the ledger
+(algorithm/sync_core.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from ray_diloco.algorithm import wire
+from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.sync_core import SynchronizerCore
+from ray_diloco.config import load_config
+from tests.sync_helpers import TINY, tiny_core
+
+TOKENS_PER_STEP = 64
+
+
+def _core(*overrides: str) -> SynchronizerCore:
+    core = tiny_core(load_config(None, [*TINY, "diloco.max_staleness_versions=3", *overrides]))
+    for name in ("a", "b"):
+        core.register(name, 0, now=0.0, tokens_per_step=TOKENS_PER_STEP)
+        core.report(name, 0, now=0.0, step_time_s=0.1, cursor=0)
+    return core
+
+
+def _delta(core: SynchronizerCore, fragment: int = 0, size: float = 0.01) -> dict[str, np.ndarray]:
+    return {k: np.full_like(v, size) for k, v in core.snapshot()[fragment][1].items()}
+
+
+def _meta(learner: str = "a", base: int = 0, step: int = 4, fragment: int = 0) -> ContributionMeta:
+    return ContributionMeta(learner, 0, fragment, base, step, 4, 4 * TOKENS_PER_STEP)
+
+
+def _state(core: SynchronizerCore) -> tuple[dict[str, np.ndarray], dict[int, int], int]:
+    values = {k: v.copy() for k, v in core.global_params().items()}
+    merged = sum(core.ledger.tokens_merged(p) for p in range(core.plan.num_fragments))
+    return values, core.book.versions(), merged
+
+
+def _wrong_shape(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    delta = _delta(core)
+    name = next(iter(delta))
+    delta[name] = np.zeros((*delta[name].shape, 2), np.float32)  # bytes match its own shape
+    return _meta(), wire.encode_tree(delta, "float32")
+
+
+def _wrong_dtype(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    encoded = wire.encode_tree(_delta(core), "float32")
+    name = next(iter(encoded))
+    encoded[name] = dataclasses.replace(encoded[name], dtype="float64")  # type: ignore[arg-type]
+    return _meta(), encoded
+
+
+def _short_payload(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    encoded = wire.encode_tree(_delta(core), "bfloat16")
+    name = next(iter(encoded))
+    encoded[name] = dataclasses.replace(encoded[name], payload=encoded[name].payload[:-2])
+    return _meta(), encoded
+
+
+def _scales_for_payload(
+    core: SynchronizerCore,
+) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    # the right byte count in all, split wrongly between payload and scales
+    encoded = wire.encode_tree(_delta(core), "int8")
+    name = next(iter(encoded))
+    e = encoded[name]
+    encoded[name] = dataclasses.replace(e, payload=e.payload[:-1], scales=e.scales + b"\0")
+    return _meta(), encoded
+
+
+def _missing_leaf(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    encoded = wire.encode_tree(_delta(core), "bfloat16")
+    encoded.pop(next(iter(encoded)))
+    return _meta(), encoded
+
+
+def _not_encoded(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    return _meta(), _delta(core)  # type: ignore[return-value]  # raw arrays, not Encoded
+
+
+def _wrong_index(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    return _meta(fragment=7), wire.encode_tree(_delta(core), "bfloat16")
+
+
+def _negative_index(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    # Python would read published[-1] (the last fragment) without the check
+    return _meta(fragment=-1), wire.encode_tree(_delta(core, fragment=1), "bfloat16")
+
+
+def _absurd_tokens(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    meta = dataclasses.replace(_meta(), num_tokens=10**15)
+    return meta, wire.encode_tree(_delta(core), "bfloat16")
+
+
+def _more_steps_than_taken(
+    core: SynchronizerCore,
+) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    meta = dataclasses.replace(_meta(), step=3, num_steps=4)
+    return meta, wire.encode_tree(_delta(core), "bfloat16")
+
+
+def _absurd_steps(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
+    # more steps than the whole run's budget has: it would shrink its norm per step
+    meta = dataclasses.replace(_meta(), step=10**9, num_steps=10**9)
+    return meta, wire.encode_tree(_delta(core, size=10.0), "bfloat16")
+
+
+Broken = Callable[[SynchronizerCore], tuple[ContributionMeta, dict[str, wire.Encoded]]]
+
+
+@pytest.mark.parametrize(
+    ("broken", "verdict"),
+    [
+        (_wrong_shape, Verdict.MALFORMED),
+        (_wrong_dtype, Verdict.MALFORMED),
+        (_short_payload, Verdict.MALFORMED),
+        (_scales_for_payload, Verdict.MALFORMED),
+        (_missing_leaf, Verdict.MALFORMED),
+        (_not_encoded, Verdict.MALFORMED),
+        (_wrong_index, Verdict.MALFORMED),
+        (_negative_index, Verdict.MALFORMED),
+        (_absurd_tokens, Verdict.IMPLAUSIBLE),
+        (_more_steps_than_taken, Verdict.IMPLAUSIBLE),
+        (_absurd_steps, Verdict.IMPLAUSIBLE),
+    ],
+)
+def test_broken_contribution_is_refused_and_changes_nothing(
+    broken: Broken, verdict: Verdict
+) -> None:
+    core = _core()
+    before = _state(core)
+    meta, delta = broken(core)
+    assert core.offer(meta, delta, now=0.1) is verdict
+    assert core.rejected == {verdict.value: 1}
+    assert core.rejected_tokens <= meta.num_steps * TOKENS_PER_STEP  # not the absurd claim
+    assert core.poll(now=10.0) == []  # nothing pending: no round to close
+    values, versions, trained = _state(core)
+    assert versions == before[1] and trained == before[2]
+    for k, v in values.items():
+        np.testing.assert_array_equal(v, before[0][k])
+
+
+def test_replayed_contribution_is_refused_and_the_ledger_counts_its_tokens_once() -> None:
+    core = _core()
+    encoded = wire.encode_tree(_delta(core), "bfloat16")
+    assert core.offer(_meta(step=4), encoded, now=0.1) is Verdict.ACCEPTED
+    core.poll(now=1.0)
+    later = wire.encode_tree(_delta(core), "bfloat16")
+    assert core.offer(_meta(base=1, step=8), later, now=1.1) is Verdict.ACCEPTED
+    core.poll(now=2.0)
+    merged, values = core.ledger.tokens_merged(0), core.global_params()
+    assert core.offer(_meta(step=4), encoded, now=2.1) is Verdict.REPLAYED  # base 0, again
+    assert core.poll(now=3.0) == []
+    assert core.ledger.tokens_merged(0) == merged == 8 * TOKENS_PER_STEP
+    for k, v in core.global_params().items():
+        np.testing.assert_array_equal(v, values[k])
+    assert core.rejected == {"replayed": 1}
+
+
+def test_late_contributions_dropped_by_policy_are_counted_as_refused() -> None:
+    core = _core("diloco.late_policy=drop")
+    assert core.offer(_meta("a"), wire.encode_tree(_delta(core), "bfloat16"), 0.1) is (
+        Verdict.ACCEPTED
+    )
+    (close,) = core.close_due(now=0.2)
+    pub = core.merge(close)
+    late = _meta("b")  # arrives while the round of its base merges
+    assert core.offer(late, wire.encode_tree(_delta(core), "bfloat16"), 0.3) is Verdict.ACCEPTED
+    assert core.commit(pub, now=0.4) == [late]
+    assert core.rejected == {"late": 1}
+    assert core.rejected_tokens == late.num_tokens
+    assert core.poll(now=5.0) == []  # dropped, never merged
+
+
+def test_corrupted_update_is_refused_by_the_norm_guard_and_changes_nothing() -> None:
+    # Armed after one closed round and the inner warm-up (2 steps): honest updates of 0.01 per
+    # element over 4 steps set the fragment's per-step median; a 1000x one is refused, a NaN
+    # too, and a long honest one (40 steps, 10x the update) is not: the guard judges per step.
+    core = _core("diloco.norm_guard_warmup_rounds=1", "inner.warmup_steps=2")
+    step = 0
+    for base in range(3):
+        step += 4
+        encoded = wire.encode_tree(_delta(core), "bfloat16")
+        assert core.offer(_meta(base=base, step=step), encoded, now=base) is Verdict.ACCEPTED
+        core.poll(now=base + 0.5)
+    before = _state(core)
+    blown_up = wire.encode_tree(_delta(core, size=10.0), "bfloat16")
+    assert core.offer(_meta(base=3, step=step + 4), blown_up, now=4.0) is Verdict.NORM_OUTLIER
+    # (`wire.encode` refuses NaN: a broken learner's bytes, built by hand)
+    nan = {k: wire.Encoded("float32", v.shape, v.tobytes(), b"") for k, v in _delta(core).items()}
+    nan = {k: dataclasses.replace(e, payload=b"\xff" * len(e.payload)) for k, e in nan.items()}
+    assert core.offer(_meta(base=3, step=step + 8), nan, now=4.1) is Verdict.NON_FINITE
+    assert core.poll(now=5.0) == []
+    values, versions, merged = _state(core)
+    assert versions == before[1] and merged == before[2]
+    for k, v in values.items():
+        np.testing.assert_array_equal(v, before[0][k])
+    long = dataclasses.replace(_meta(base=3, step=step + 48), num_steps=40, num_tokens=40 * 64)
+    encoded = wire.encode_tree(_delta(core, size=0.1), "bfloat16")
+    assert core.offer(long, encoded, now=5.1) is Verdict.ACCEPTED
+    assert core.rejected == {"norm_outlier": 1, "non_finite": 1}
+
+
+def test_an_old_incarnations_pending_contribution_is_fenced_and_counted() -> None:
+    core = _core("diloco.quorum_min=2")
+    encoded = wire.encode_tree(_delta(core), "bfloat16")
+    assert core.offer(_meta("b"), encoded, now=0.1) is Verdict.ACCEPTED
+    assert core.offer(_meta("a"), encoded, now=0.1) is Verdict.ACCEPTED  # the quorum is in
+    admission = core.register("a", 1, now=0.2, tokens_per_step=TOKENS_PER_STEP)
+    assert admission.fenced == (_meta("a"),)
+    assert core.rejected == {"old_incarnation": 1}
+    assert core.poll(now=10.0) == []  # b alone is no quorum any more
+    again = dataclasses.replace(_meta("a"), incarnation=1)
+    assert core.offer(again, encoded, now=10.1) is Verdict.ACCEPTED
+    (pub,) = core.poll(now=20.0)
+    assert [(c.meta.learner, c.meta.incarnation) for c in pub.close.contributions] == [
+        ("a", 1),
+        ("b", 0),
+    ]
