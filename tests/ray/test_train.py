@@ -179,7 +179,7 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
         try:
             killed = _kill_at_rounds_past_a_checkpoint(first, ckpt_dir, mark, 400)
         finally:  # (on a failure too: no cluster left behind)
-            cluster = killed or [first, *psutil.Process(first.pid).children(recursive=True)]
+            cluster = killed or _session(first.pid)
             for proc in cluster:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     proc.kill()
@@ -218,6 +218,17 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
         assert acct["final_cursor"] == acct["tokens"], (name, acct)
 
 
+def _session(pid: int) -> list[Any]:
+    """The process `pid` and its descendants, as far as they still exist."""
+    import psutil
+
+    try:
+        leader = psutil.Process(pid)
+        return [leader, *leader.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _kill_at_rounds_past_a_checkpoint(
     proc: subprocess.Popen[bytes], ckpt_dir: Path, mark: Any, timeout_s: float
 ) -> list[Any]:
@@ -232,13 +243,12 @@ def _kill_at_rounds_past_a_checkpoint(
     deadline = time.monotonic() + timeout_s
     listed, listed_at = [], 0.0
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "the first session ended before it was killed"
+        assert proc.poll() is None, "the first session ended before it was killed (its log)"
         if time.monotonic() - listed_at > 2.0:
-            listed = psutil.Process(proc.pid).children(recursive=True)
-            listed_at = time.monotonic()
+            listed, listed_at = _session(proc.pid), time.monotonic()
         steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()]
         if steps and sum(mark.load().versions.values()) >= max(steps) + 2:
-            killed = [psutil.Process(proc.pid), *listed]
+            killed = listed or _session(proc.pid)
             for p in killed:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
