@@ -140,9 +140,13 @@ def test_remove_node_rebuilds_the_group_elsewhere(
 def test_hang_host_is_detected_by_heartbeat_timeout(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
+    # As long a run as the synchronizer's: this recovery is a detection (2 s or more) plus a
+    # whole restart. At load 9-13 on 2 cores (the suite on 3 workers; tests/chaos with
+    # --cpu-load 2 on 2 workers) the first boot took about 27 s and the eu learner alone
+    # spent the rest of BUDGET before the restarted us learner contributed: 2 failures in 2.
     fault = {"kind": "hang_host", "target": "us", "duration_s": 5}
-    run = run_one(tmp_path, jax_cache, "hang-host", fault)
-    check_run(run, reference_loss(BUDGET))
+    run = run_one(tmp_path, jax_cache, "hang-host", fault, budget=SYNC_BUDGET)
+    check_run(run, reference_loss(SYNC_BUDGET))
     (failure,) = failures(run, "us")
     assert failure.failure is FailureKind.HANG
     # The heartbeat timeout in force (2 s on an idle machine; longer, up to its ceiling, when
