@@ -143,6 +143,8 @@ def main() -> int:
     name = "recovery_load" if args.cpu_load else "recovery"
     name = f"{name}-quick" if args.quick else name
     meta = {
+        # (write_results names the script after the results, here recovery_load)
+        "command": " ".join(["python benchmarks/recovery.py", *sys.argv[1:]]),
         "repeats": repeats,
         "gap_s": args.gap,
         "quick": args.quick,
