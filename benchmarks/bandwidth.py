@@ -20,7 +20,7 @@ from typing import Any
 from ray_diloco.config import load_config
 from ray_diloco.sim.simulate import run_reference
 
-from common import QUICK_MODEL, REFERENCE, parser, write_results
+from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
 
 CONFIG = REFERENCE
 QUICK = QUICK_MODEL
@@ -67,6 +67,7 @@ def needed_bandwidth(mode: str, quick: bool, budget: int) -> float:
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
+    cache_compilations()
     budget = 60_000 if args.quick else 500_000
     sweep_budget = 40_000 if args.quick else 200_000
     rows = []
@@ -111,7 +112,7 @@ def main() -> None:
             "quick": args.quick,
             "budget": budget,
             "sweep_budget": sweep_budget,
-            "latency_ms": 20,
+            "latency_ms": 1,
         },
     )
 

@@ -25,7 +25,7 @@ from ray_diloco.config import load_config
 from ray_diloco.report import save_figure
 from ray_diloco.sim.simulate import run_reference
 
-from common import QUICK_MODEL, REFERENCE, parser, write_results
+from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=80000"]
@@ -85,6 +85,7 @@ def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
+    cache_compilations()
     results = {}
     for intensity, mtbf in INTENSITIES.items():
         for mode in MODES:

@@ -20,9 +20,13 @@ logger = logging.getLogger(__name__)
 
 def use_compilation_cache(cfg: RunConfig) -> str:
     """Point JAX at `run_dir/jax_cache`; returns the directory."""
+    return use_compilation_cache_dir(os.path.join(cfg.run_dir, "jax_cache"))
+
+
+def use_compilation_cache_dir(directory: str) -> str:
+    """Point JAX at `directory`, keeping every entry; returns the directory."""
     import jax
 
-    directory = os.path.join(cfg.run_dir, "jax_cache")
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
