@@ -128,9 +128,14 @@ def test_remove_node_rebuilds_the_group_elsewhere(
 ) -> None:
     # The raylet of `us`'s node dies; the group is rebuilt on the other us-east5 host while
     # the node replacer brings a host with the same slice identity back for later tests.
+    # As long a run as the synchronizer's, for hang_host's reason: a whole restart on another
+    # node. With --cpu-load 2 on 2 workers: injected at 37.4 s, Ray declared the node dead at
+    # 44.7 s, the new incarnation was compiling at 54.0 s, and eu alone had spent the 72k
+    # budget at 55.8 s (1 failure in 3 runs of tests/chaos).
     with NodeReplacer(tpu_cluster) as replacer:
-        run = run_one(tmp_path, jax_cache, "remove-node", {"kind": "remove_node", "target": "us"})
-    check_run(run, reference_loss(BUDGET))
+        fault = {"kind": "remove_node", "target": "us"}
+        run = run_one(tmp_path, jax_cache, "remove-node", fault, budget=SYNC_BUDGET)
+    check_run(run, reference_loss(SYNC_BUDGET))
     assert len(replacer.replaced) == 1 and replacer.replaced[0][0] == "v5p"
     (failure,) = failures(run, "us")
     assert failure.failure in (FailureKind.NODE_LOST, FailureKind.HANG)
