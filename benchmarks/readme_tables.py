@@ -114,7 +114,8 @@ def recovery(data: dict[str, Any]) -> str:
             "fault": RECOVERY_NAMES.get(r["fault"], r["fault"]),
             "detected / injected": f"{r['detected']}/{r['injected']}",
             "detection (median)": f"{_num(r['detection_s_median'], 2)} s",
-            "recovered": f"{r['recovered']}/{r['injected']}",
+            "recovered": f"{r['recovered']}/{r['injected']}"
+            + (f" ({r['superseded']} superseded)" if r.get("superseded") else ""),
             "contributing again (median)": f"{_num(r['recovery_s_median'], 1)} s",
             "rounds lost": ", ".join(map(str, r.get("rounds_lost") or [])) or "-",
         }
