@@ -134,6 +134,8 @@ class RoundClose:
     quorum_s: float
     grace_s: float
     closed_s: float
+    # The learners in the run at the close (live or contributing): the share's denominator.
+    learners: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -412,7 +414,7 @@ class RoundBook:
                 continue
             everyone_in = live <= frag.pending.keys()
             if everyone_in or now >= frag.quorum_s + frag.grace_s:
-                closes.append(self._close(p, frag, now))
+                closes.append(self._close(p, frag, now, len(live | frag.pending.keys())))
         return closes
 
     def next_deadline(self) -> float | None:
@@ -424,7 +426,7 @@ class RoundBook:
         ]
         return min(deadlines, default=None)
 
-    def _close(self, p: int, frag: _FragmentState, now: float) -> RoundClose:
+    def _close(self, p: int, frag: _FragmentState, now: float, learners: int) -> RoundClose:
         entries = tuple(sorted(frag.pending.values(), key=lambda e: e.meta.learner))
         assert frag.opened_s is not None and frag.quorum_s is not None
         close = RoundClose(
@@ -436,6 +438,7 @@ class RoundBook:
             quorum_s=frag.quorum_s,
             grace_s=frag.grace_s,
             closed_s=now,
+            learners=learners,
         )
         frag.undo = {e.meta.learner: frag.merged.get(e.meta.learner) for e in entries}
         for e in entries:

@@ -243,9 +243,12 @@ class SynchronizerCore:
         alias = max(v for v, values in hist.items() if values is base)
         if alias != meta.base_version:
             meta = replace(meta, base_version=alias)
+        # Anchored at its base, a contribution is held as G + its own update: its outer
+        # gradient G - theta is then that update, and its distance to G the update's norm.
+        start = current if self.cfg.diloco.outer_anchor == "base" else base
         theta, sq, own = {}, {}, 0.0
         for k, e in delta.items():
-            theta[k], sq[k], leaf_own = wire.decode_add(e, base[k], current[k])
+            theta[k], sq[k], leaf_own = wire.decode_add(e, start[k], current[k])
             own += leaf_own
         finite = math.isfinite(sum(sq.values()))
         norm = math.sqrt(own) if finite else None  # the learner's own update (the guard's)
@@ -283,14 +286,17 @@ class SynchronizerCore:
         g = self.values[p]
         held: list[Held] = [c.payload for c in close.contributions]
         contributions = [
-            (h.theta, merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty))
-            for h, c, s in zip(held, close.contributions, close.staleness, strict=True)
+            (_anchored(h, g, d.outer_anchor), weight)
+            for h, weight in zip(held, self._weights(close), strict=True)
         ]
         # The guard's norms hold while G is the value they were measured against.
         sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
         parts = merge.scaled_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
         grad = {k: a for k, (a, _) in parts.items()}
-        scale = {k: s for k, (_, s) in parts.items()}
+        share = 1.0
+        if d.round_step == "share":
+            share = min(1.0, len({c.meta.learner for c in close.contributions}) / close.learners)
+        scale = {k: s * share for k, (_, s) in parts.items()}
         values, self.outer_states[p] = outer.outer_step(
             self.tx, g, self.outer_states[p], grad, scale
         )
@@ -305,6 +311,13 @@ class SynchronizerCore:
         self.values[p], self.published[p] = values, hist
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, encoded, close, elapsed)
+
+    def _weights(self, close: RoundClose) -> list[float]:
+        d = self.cfg.diloco
+        return [
+            merge.token_weight(c.num_tokens, c.num_steps, s, d.staleness_penalty)
+            for c, s in zip(close.contributions, close.staleness, strict=True)
+        ]
 
     def commit(self, pub: Publication, now: float) -> list[ContributionMeta]:
         """Account the merged round. Returns the contributions dropped as late (`late_policy:
@@ -452,3 +465,12 @@ class SynchronizerCore:
         self.ledger.load_state_dict(state["ledger"])
         self.bytes_up = dict(state["bytes_up"])
         self.bytes_down = dict(state["bytes_down"])
+
+
+def _anchored(held: Held, g: Values, anchor: str) -> Values:
+    """The contribution's values as the merge takes them (G - theta is its outer gradient).
+    Held against an older G (an offer carried over to the next round), a base-anchored one
+    moves with G: it stays G plus the learner's own update."""
+    if anchor == "current" or held.anchor is g:
+        return held.theta
+    return {k: g[k] + (held.theta[k] - held.anchor[k]) for k in held.theta}

@@ -57,6 +57,15 @@ class DilocoConfig(_Frozen):
     # window but far worse with K = 1 and no grace (learners' bases go stale, and deltas are
     # anchored at the current global value): see the README's quality table.
     publish_to: Literal["all", "contributors"] = "all"
+    # Where a contribution's outer gradient is anchored. "current": G - theta, at the
+    # synchronizer's current value (algorithm.md section 6); a stale learner's theta then pulls
+    # G back toward its old base. "base": base - theta, the learner's own update (Streaming
+    # DiLoCo), whatever happened to G since.
+    outer_anchor: Literal["current", "base"] = "current"
+    # How far one round steps. "full": the outer step of the merged gradient, however few
+    # learners it merged. "share": scaled by the share of the live learners it merged, so that
+    # M one-learner rounds step about as far as one round of all M (not M times as far).
+    round_step: Literal["full", "share"] = "full"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
     # The norm guard (algorithm.md section 7) refuses a contribution whose own update (its delta
