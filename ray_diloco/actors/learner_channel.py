@@ -145,14 +145,14 @@ class SyncChannel:
             stop("token budget reached")
         self._provide(shard, fragments, reply["wanted"])
         # A fragment it holds newer than the restored one (which the shard is recovering from
-        # the learners) is taken at its own version, the others at the shard's. Either way its
-        # steps since are dropped: they were never merged, and a delta of the whole outage
-        # would be refused as a norm outlier (no round closing on its base).
+        # the learners) is taken at its own version, the others at the shard's; one whose base
+        # is still the newest keeps the steps trained through the outage.
         snapshot = dict(reply["snapshot"])
         for p, (version, values) in fragments.items():
             if p in snapshot and version > snapshot[p][0]:
                 snapshot[p] = (version, values)
-        core.adopt(snapshot)
+        kept = core.rejoin(snapshot)
+        self.counts["fragments_kept_on_rejoin"] += len(kept)
         self.counts["rejoins"] += 1
 
     def _provide(

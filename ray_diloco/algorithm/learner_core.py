@@ -189,6 +189,16 @@ class LearnerCore:
         for p, (version, values) in snapshot.items():
             self._overwrite(p, version, values, alpha=0.0)
 
+    def rejoin(self, snapshot: Snapshot) -> list[int]:
+        """Back with a restarted synchronizer shard (section 7). `snapshot` holds the newest
+        value of each of its fragments that either side has: those newer than this learner's
+        base are adopted. A fragment whose base is still the newest keeps its steps since, the
+        work of the outage on top of that very value, for its next offer to carry (a restart
+        then drops no trained step). Returns the fragments kept."""
+        kept = [p for p, (version, _) in snapshot.items() if version == self.base_version[p]]
+        self.adopt({p: entry for p, entry in snapshot.items() if p not in kept})
+        return kept
+
     def held(self) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
         """The newest publication of each fragment this learner holds (applied, or received
         for the next step boundary): what a restarted synchronizer recovers from."""

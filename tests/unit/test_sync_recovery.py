@@ -194,6 +194,28 @@ def test_a_learner_holds_its_newest_publication(setup: Setup) -> None:
         np.testing.assert_array_equal(np.asarray(v), 9.0)
 
 
+def test_a_rejoining_learner_keeps_the_work_of_the_outage(setup: Setup) -> None:
+    # It trained on while its shard was down. Fragment 0 is still at its base on the restarted
+    # shard: the steps since stay, for its next offer. Fragment 1 moved on: adopted.
+    cfg = setup.cfg
+    core = LearnerCore(
+        cfg, cfg.learners[0], setup.task, setup.layout, setup.plan, _snapshot(setup, 3)
+    )
+    for _ in range(4):
+        core.train_step(*core.next_batch())
+    trained = {k: np.asarray(core.params[k]) for k in setup.plan.fragments[0]}
+    snapshot = _snapshot(setup, 3) | {1: (5, _values(setup, 1, 9.0))}
+    assert core.rejoin(snapshot) == [0]
+    assert core.steps_since == [4, 0] and core.base_version == [3, 5]
+    for k, v in trained.items():
+        np.testing.assert_array_equal(np.asarray(core.params[k]), v)
+        assert not np.array_equal(v, np.asarray(setup.init[k]))
+    for k in setup.plan.fragments[1]:
+        np.testing.assert_array_equal(np.asarray(core.params[k]), 9.0)
+    (meta, _), *_ = core.final_offers()
+    assert (meta.fragment, meta.base_version, meta.num_steps) == (0, 3, 4)
+
+
 def _values(setup: Setup, p: int, fill: float) -> dict[str, np.ndarray]:
     return {k: np.full(np.shape(setup.init[k]), fill, np.float32) for k in setup.plan.fragments[p]}
 
