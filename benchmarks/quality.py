@@ -4,11 +4,14 @@ in-process reference run (`ray_diloco.sim.simulate`), which is deterministic for
 
     python benchmarks/quality.py            # jobs/reference.yaml, 2M tokens per variant
     python benchmarks/quality.py --quick    # tiny model, smoke check
+    python benchmarks/quality.py --jobs 2   # two variants at a time
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,28 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.publish_to=contributors",
     ],
     "decoupled K=1 grace, publish to contributors": ["diloco.publish_to=contributors"],
+    # Staleness-aware outer steps (issue 11): a round steps by the share of learners it merged,
+    # and/or a contribution's outer gradient is its own update (anchored at its base).
+    "decoupled K=1 grace, share step": ["diloco.round_step=share"],
+    "decoupled K=1 grace, base anchor, share step": [
+        "diloco.outer_anchor=base",
+        "diloco.round_step=share",
+    ],
+    "decoupled K=1 no grace, publish to contributors, share step": [
+        "diloco.grace_fraction=0",
+        "diloco.publish_to=contributors",
+        "diloco.round_step=share",
+    ],
+    "decoupled K=1 no grace, publish to contributors, base anchor, share step": [
+        "diloco.grace_fraction=0",
+        "diloco.publish_to=contributors",
+        "diloco.outer_anchor=base",
+        "diloco.round_step=share",
+    ],
+    "decoupled K=1 grace, publish to contributors, share step": [
+        "diloco.publish_to=contributors",
+        "diloco.round_step=share",
+    ],
 }
 
 
@@ -76,16 +101,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="subset of variants")
+    p.add_argument("--jobs", type=int, default=1, help="variants run side by side (processes)")
     args = p.parse_args()
-    rows = []
-    for name, overrides in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
-        rows.append(run_variant(name, overrides, args.quick))
-        print(
-            f"{name}: heldout {rows[-1]['heldout_loss']:.4f} ({rows[-1]['wall_s']:.0f}s)",
-            flush=True,
-        )
+    chosen = {n: o for n, o in VARIANTS.items() if not args.only or n in args.only}
+    # Each variant is a deterministic in-process run of its own: processes side by side change
+    # the wall times only.
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(run_variant, n, o, args.quick) for n, o in chosen.items()]
+        rows = []
+        for future in futures:
+            rows.append(future.result())
+            print(
+                f"{rows[-1]['variant']}: heldout {rows[-1]['heldout_loss']:.4f} "
+                f"({rows[-1]['wall_s']:.0f}s)",
+                flush=True,
+            )
     dp = next((r["heldout_loss"] for r in rows if r["variant"] == "data_parallel"), None)
     for r in rows:
         r["vs_data_parallel"] = (r["heldout_loss"] / dp - 1) if dp else None
@@ -107,7 +137,7 @@ def main() -> None:
         name,
         [{k: v for k, v in r.items() if k != "evals"} | {"evals": r["evals"]} for r in rows],
         columns,
-        {"config": str(CONFIG.name), "quick": args.quick},
+        {"config": str(CONFIG.name), "quick": args.quick, "jobs": args.jobs},
     )
 
 

@@ -73,7 +73,7 @@ def merge_rounds(fragment_mb: int, learners: int, wire_dtype: str, rounds: int) 
     """Whole rounds of one fragment in this process (pin it to one core first)."""
     from ray_diloco.algorithm import wire
     from ray_diloco.algorithm.fragments import FragmentPlan
-    from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.round_types import ContributionMeta
     from ray_diloco.algorithm.sync_core import SynchronizerCore
 
     n = fragment_mb * 2**20 // 4
@@ -224,7 +224,7 @@ def _fake_learner_class() -> Any:
             from ray_diloco.actors.learner_channel import SyncChannel
             from ray_diloco.algorithm import wire
             from ray_diloco.algorithm.fragments import due_fragments
-            from ray_diloco.algorithm.rounds import ContributionMeta
+            from ray_diloco.algorithm.round_types import ContributionMeta
 
             counts: Counter[str] = Counter()
             channel = SyncChannel(self.cfg, self.lg, 0, counts, lambda core: {})

@@ -44,7 +44,7 @@ from ray_diloco.config import LearnerGroupConfig, RunConfig
 
 if TYPE_CHECKING:
     from ray_diloco.algorithm.learner_core import LearnerCore
-    from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.round_types import ContributionMeta
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from ray_diloco.control.events import RoundClosed
 if TYPE_CHECKING:  # JAX-using: imported inside the actor, never at module level
     from ray_diloco.actors.sync_checkpoint import CheckpointWriter
     from ray_diloco.actors.sync_restore import ShardStore
-    from ray_diloco.algorithm.rounds import RoundClose
+    from ray_diloco.algorithm.round_types import RoundClose
     from ray_diloco.algorithm.sync_core import SynchronizerCore
 
 logger = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
 if TYPE_CHECKING:
-    from ray_diloco.algorithm.rounds import ContributionMeta
+    from ray_diloco.algorithm.round_types import ContributionMeta
     from ray_diloco.algorithm.wire import Encoded
 
 logger = logging.getLogger(__name__)

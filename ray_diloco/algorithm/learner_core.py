@@ -24,7 +24,7 @@ from ray_diloco.algorithm import inner, wire
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
 from ray_diloco.algorithm.leases import ENDLESS, Lease
 from ray_diloco.algorithm.pytree import TreeLayout
-from ray_diloco.algorithm.rounds import ContributionMeta
+from ray_diloco.algorithm.round_types import ContributionMeta
 from ray_diloco.algorithm.setup import tokens_per_step, total_inner_steps
 from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, RunConfig
 from ray_diloco.task import Batch, Task

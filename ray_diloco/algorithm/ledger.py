@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_diloco.algorithm.leases import DataPool, Lease
-from ray_diloco.algorithm.rounds import RoundClose
+from ray_diloco.algorithm.round_types import RoundClose
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ray_diloco.algorithm.rounds import RoundClose
+from ray_diloco.algorithm.round_types import RoundClose
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ learners report. `offer` reconstructs a contribution from its wire delta, guards
 it to the round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step,
 commit, and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
 (`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
+Its recovery after a restart (no merged round lost) lives in `sync_recovery.py`.
 """
 
 from __future__ import annotations
@@ -24,17 +25,11 @@ from ray_diloco.algorithm import merge, outer, wire
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
-from ray_diloco.algorithm.round_log import LoggedRound
-from ray_diloco.algorithm.rounds import (
-    ContributionMeta,
-    RoundBook,
-    RoundClose,
-    RoundPolicy,
-    Verdict,
-)
+from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy, Verdict
+from ray_diloco.algorithm.rounds import RoundBook
+from ray_diloco.algorithm.sync_recovery import RecoveringCore, Recovery, Values
 from ray_diloco.config import RunConfig
 
-Values = dict[str, np.ndarray]
 # Refusals after which a learner of the current incarnation must adopt the newest version.
 CATCH_UP = frozenset(
     {Verdict.STALE_VERSION, Verdict.FUTURE_VERSION, Verdict.NORM_OUTLIER, Verdict.NON_FINITE}
@@ -73,26 +68,6 @@ class Held:
     anchor: Values
 
 
-@dataclass
-class Recovery:
-    """A fragment whose newest value is being recovered after a restart: the version the
-    checkpoint holds, the newest one delivered to a learner before the restart, the logged
-    rounds past the checkpoint, and the newest value a learner handed over so far."""
-
-    restored: int
-    delivered: int
-    logged: list[LoggedRound]
-    found: tuple[int, Values] | None = None
-
-    @property
-    def best(self) -> int:
-        return self.found[0] if self.found is not None else self.restored
-
-    @property
-    def newest(self) -> int:
-        return max((e.version for e in self.logged), default=self.restored)
-
-
 @dataclass(frozen=True)
 class Publication:
     """A merged fragment to send to every live learner."""
@@ -108,7 +83,7 @@ class Publication:
         return wire.tree_bytes(self.encoded)
 
 
-class SynchronizerCore:
+class SynchronizerCore(RecoveringCore):
     """`fragments`: the fragments this core owns (default: all); `owns_data`: whether it hands
     out the data pool's leases (exactly one core of a run does)."""
 
@@ -364,82 +339,6 @@ class SynchronizerCore:
         return out
 
     # -- checkpointing ------------------------------------------------------------------------
-
-    def resume_versions(self, published: Mapping[int, int]) -> int:
-        """After a restore with no learner to ask (a resumed run's learners start afresh):
-        `published` holds the highest version of each fragment delivered before the restart.
-        Where that is newer than what the checkpoint holds, the restored value gets a fresh
-        version number above it (`finish_recovery`). Returns the rounds lost."""
-        self.start_recovery([], published)
-        return sum(self.finish_recovery(p)[1] for p in list(self.recovering))
-
-    # -- recovery after a restart (algorithm.md section 7; docs/contracts.md) ----------------
-
-    def start_recovery(self, logged: Iterable[LoggedRound], delivered: Mapping[int, int]) -> None:
-        """After a restore: `logged` are the round log's entries, `delivered` the newest
-        version of each fragment a learner received before the restart. A fragment with
-        rounds past its restored version is held (no round closes, offers are refused as
-        recovering) until `finish_recovery` adopts the newest value a learner hands over
-        (`provide`), or the restored one."""
-        entries = sorted(logged, key=lambda e: e.version)
-        for p, frag in self.book.fragments.items():
-            mine = [e for e in entries if e.fragment == p and e.version > frag.version]
-            high = delivered.get(p, 0)
-            if mine or high > frag.version:
-                self.recovering[p] = Recovery(frag.version, high, mine)
-                self.book.held.add(p)
-
-    def wanted(self) -> dict[int, int]:
-        """Per fragment being recovered: the newest version found so far (a learner holding
-        a newer one is asked for its value)."""
-        return {p: r.best for p, r in self.recovering.items()}
-
-    def provide(self, fragment: int, version: int, values: Mapping[str, Any]) -> bool:
-        """A learner's value of `fragment` at `version` (the publication it holds). Taken when
-        it is the newest so far and the round log has that round (its ledger entries are
-        then exact). Returns True when nothing newer can exist: finish now."""
-        r = self.recovering.get(fragment)
-        if r is None or version <= r.best or version not in {e.version for e in r.logged}:
-            return False
-        paths = self.plan.fragments[fragment]
-        r.found = (version, {k: np.asarray(values[k], np.float32) for k in paths})
-        return version == r.newest
-
-    def finish_recovery(self, fragment: int) -> tuple[int, int]:
-        """Adopt the newest value found (else the restored one), replay the logged rounds up
-        to it into the ledger and the round book, and release the fragment. Version numbers
-        past it that may exist (delivered, or logged and perhaps delivered) are never reused:
-        the value then also gets a fresh number above them. Returns (adopted version, rounds
-        lost: delivered versions no learner could hand back)."""
-        r = self.recovering.pop(fragment)
-        self.book.held.discard(fragment)
-        if r.found is not None:  # the learners' copy becomes the global value too
-            adopted, values = r.found
-            copy = values
-        else:  # the checkpoint's global value, and the copy the learners were sent of it
-            adopted, values = r.restored, self.values[fragment]
-            copy = self.published[fragment].get(adopted, values)
-        for e in r.logged:
-            if e.version > adopted:
-                break
-            self.ledger.record_merged(
-                fragment, [(c.learner, c.num_tokens) for c in e.contributions]
-            )
-            for learner, cursor in e.cursors.items():
-                self.ledger.record_cursor(learner, cursor)
-            merged = {
-                c.learner: (c.base_version, c.num_steps, c.num_tokens) for c in e.contributions
-            }
-            self.book.replay(fragment, e.version, merged)
-        self.values[fragment] = values
-        hist = {adopted: copy}
-        top = max(r.delivered, r.newest)
-        if top > adopted:
-            # The same value under a fresh number: learners that hold `adopted` rename it.
-            hist[top + 1] = copy
-            self.book.replay(fragment, top + 1, {})
-        self.published[fragment] = hist
-        return adopted, max(0, r.delivered - adopted)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -47,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm.rounds import ContributionMeta, RoundBook, RoundClose, RoundPolicy
+from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy
+from ray_diloco.algorithm.rounds import RoundBook
 from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
 from ray_diloco.sim.goodput_jobs import Activity, Slices, cluster, groups, shrinking, waiting
 from ray_diloco.sim.goodput_trace import FailureTrace, make_trace, quorum_uptime, window_uptime

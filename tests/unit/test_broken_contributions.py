@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ray_diloco.algorithm import wire
-from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
 from tests.sync_helpers import TINY, tiny_core

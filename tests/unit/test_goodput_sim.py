@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm.rounds import Verdict
+from ray_diloco.algorithm.round_types import Verdict
 from ray_diloco.config import ConfigError, GoodputSimConfig, load_config
 from ray_diloco.sim.goodput_cli import simulate_goodput_main
 from ray_diloco.sim.goodput_jobs import cluster, groups, shrinking, waiting

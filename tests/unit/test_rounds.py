@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_diloco.algorithm.rounds import ContributionMeta, RoundBook, RoundPolicy, Verdict
+from ray_diloco.algorithm.round_types import ContributionMeta, RoundPolicy, Verdict
+from ray_diloco.algorithm.rounds import RoundBook
 from ray_diloco.config import DilocoConfig, SynchronizerConfig
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ray_diloco.actors.sync_shards import combine_status
 from ray_diloco.algorithm import wire
-from ray_diloco.algorithm.rounds import ContributionMeta, Verdict
+from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
 from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.shards import assign_fragments
 from ray_diloco.algorithm.sync_core import SynchronizerCore
