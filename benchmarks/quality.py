@@ -60,6 +60,13 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.publish_to=contributors",
         "diloco.round_step=share",
     ],
+    # The outer optimizer at this short horizon (about 10 outer steps per fragment).
+    "synchronous, outer momentum 0.5": ["diloco.mode=synchronous", "outer.momentum=0.5"],
+    "decoupled K=1 grace, outer momentum 0.5": ["outer.momentum=0.5"],
+    "decoupled K=1 grace, outer momentum 0.5, share step": [
+        "outer.momentum=0.5",
+        "diloco.round_step=share",
+    ],
 }
 
 
