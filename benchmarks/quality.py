@@ -25,6 +25,10 @@ from common import QUICK_MODEL, REFERENCE, parser, write_results
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
+# Every variant starts from algorithm.md as written (every learner receives every round, a
+# round steps in full) and names what it changes. The default config is the row "decoupled
+# K=1 grace, publish to contributors, share step": the best measured.
+AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full"]
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
@@ -72,7 +76,8 @@ VARIANTS: dict[str, list[str]] = {
 
 def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
     cfg = load_config(
-        CONFIG, [*(QUICK if quick else []), *overrides, f"run_dir=/tmp/quality/{name}"]
+        CONFIG,
+        [*(QUICK if quick else []), *AS_WRITTEN, *overrides, f"run_dir=/tmp/quality/{name}"],
     )
     t0 = time.perf_counter()
     s = run_reference(cfg)
