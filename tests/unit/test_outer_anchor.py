@@ -47,7 +47,7 @@ def _moved(after: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> float
 def test_a_stale_contribution_adds_its_update_only_when_anchored_at_its_base(
     anchor: str, kept: bool
 ) -> None:
-    core = _core(f"diloco.outer_anchor={anchor}")
+    core = _core(f"diloco.outer_anchor={anchor}", "diloco.round_step=full")
     v0 = _values(core)
     _offer(core, "b", base=0, update=0.25, now=0.1)  # version 1: G0 + 0.25
     _offer(core, "a", base=0, update=0.5, now=0.2)  # a never saw version 1
