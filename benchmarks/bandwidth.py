@@ -30,9 +30,8 @@ WAN = [f"learners.{i}.{k}" for i in range(4) for k in ("region=wan", "speed=1", 
 MODES = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
-    "decoupled": [],  # the default: publish to contributors, share step
-    # algorithm.md as written: every learner receives every round, a round steps in full
-    "decoupled, publish to all": ["diloco.publish_to=all", "diloco.round_step=full"],
+    "decoupled": [],
+    "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }
 TARGET = 0.95
 

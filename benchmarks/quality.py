@@ -27,8 +27,8 @@ from common import QUICK_MODEL, REFERENCE, parser, write_results
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
 # Every variant starts from algorithm.md as written (every learner receives every round, a
-# round steps in full) and names what it changes. The default config is the row "decoupled
-# K=1 grace, publish to contributors, share step": the best measured.
+# round steps in full: the defaults) and names what it changes; the default config is the row
+# "decoupled K=1 grace".
 AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full"]
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],

@@ -50,23 +50,24 @@ class DilocoConfig(_Frozen):
     mixing_alpha: float = Field(0.0, ge=0, lt=1)
     late_policy: Literal["next_round", "drop"] = "next_round"
     # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).
-    # "contributors" (the default, measured best: the README's quality table): only the
-    # learners whose contributions the round merged (one version back per contribution, as in
-    # Streaming DiLoCo), so no learner's local progress on a fragment is overwritten by rounds
-    # it took no part in, and fewer bytes move down; a learner whose contribution is refused
-    # gets the newest version at once. With full-size one-learner rounds its stale bases pulled
-    # G back (K = 1 without grace diverged); with the share step it is the best K = 1 variant.
-    publish_to: Literal["all", "contributors"] = "contributors"
+    # "contributors": only the learners whose contributions the round merged (one version back
+    # per contribution, as in Streaming DiLoCo), so no learner's local progress on a fragment
+    # is overwritten by rounds it took no part in, and fewer bytes move down; a learner whose
+    # contribution is refused gets the newest version at once, and one with no contribution
+    # taken yet gets every round. With full-size one-learner rounds its stale bases pulled G
+    # back (K = 1 without grace diverged); with the share step it measured the best K = 1
+    # variant in-process (the README's quality table), not yet on Ray.
+    publish_to: Literal["all", "contributors"] = "all"
     # Where a contribution's outer gradient is anchored. "current": G - theta, at the
     # synchronizer's current value (algorithm.md section 6); a stale learner's theta then pulls
     # G back toward its old base. "base": base - theta, the learner's own update (Streaming
     # DiLoCo), whatever happened to G since.
     outer_anchor: Literal["current", "base"] = "current"
     # How far one round steps. "full": the outer step of the merged gradient, however few
-    # learners it merged (algorithm.md section 6). "share" (the default, measured best): scaled
-    # by the share of the live learners it merged, so that M one-learner rounds step about as
-    # far as one round of all M (not M times as far).
-    round_step: Literal["full", "share"] = "share"
+    # learners it merged (algorithm.md section 6). "share": scaled by the share of the live
+    # learners it merged, so that M one-learner rounds step about as far as one round of all M
+    # (not M times as far).
+    round_step: Literal["full", "share"] = "full"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
     # The norm guard (algorithm.md section 7) refuses a contribution whose own update (its delta
