@@ -174,10 +174,6 @@ class RoundBook:
         horizon = now - self.policy.heartbeat_timeout_s
         return {n for n, m in self.members.items() if m.active and m.last_seen_s >= horizon}
 
-    def contributing(self, fragment: int) -> set[str]:
-        """Learners with a contribution of `fragment` taken in their current incarnation."""
-        return set(self.fragments[fragment].taken_step)
-
     def versions(self) -> dict[int, int]:
         return {p: f.version for p, f in self.fragments.items()}
 

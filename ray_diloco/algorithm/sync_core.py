@@ -304,15 +304,11 @@ class SynchronizerCore(RecoveringCore):
         return late
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
-        """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`). Under
-        `contributors`, also every learner with no contribution of the fragment taken yet in
-        its incarnation (it just joined or restarted): otherwise its base would go stale while
-        it compiles, and its first offers would be refused."""
+        """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
         if self.cfg.diloco.publish_to == "all":
             return list(learners)
         merged = {c.meta.learner for c in pub.close.contributions}
-        contributing = self.book.contributing(pub.fragment)
-        return [n for n in learners if n in merged or n not in contributing]
+        return [n for n in learners if n in merged]
 
     def catch_up(
         self, meta: ContributionMeta, verdict: Verdict

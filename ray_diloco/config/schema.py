@@ -53,10 +53,10 @@ class DilocoConfig(_Frozen):
     # "contributors": only the learners whose contributions the round merged (one version back
     # per contribution, as in Streaming DiLoCo), so no learner's local progress on a fragment
     # is overwritten by rounds it took no part in, and fewer bytes move down; a learner whose
-    # contribution is refused gets the newest version at once, and one with no contribution
-    # taken yet gets every round. With full-size one-learner rounds its stale bases pulled G
-    # back (K = 1 without grace diverged); with the share step it measured the best K = 1
-    # variant in-process (the README's quality table), not yet on Ray.
+    # contribution is refused gets the newest version at once. With full-size one-learner
+    # rounds its stale bases pulled G back (K = 1 without grace diverged); with the share step
+    # it measured the best K = 1 variant in-process (the README's quality table), not yet on
+    # Ray.
     publish_to: Literal["all", "contributors"] = "all"
     # Where a contribution's outer gradient is anchored. "current": G - theta, at the
     # synchronizer's current value (algorithm.md section 6); a stale learner's theta then pulls

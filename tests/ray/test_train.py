@@ -158,7 +158,11 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
     from ray_diloco.driver import run_training
 
     pace = ("pace=step_time", "step_time_s=0.05")
-    cfg = tiny(tmp_path, "headloss", "diloco.mode=decoupled", "token_budget=24000", *pace)
+    # Checkpoints every 4 rounds (they start at half the interval): the kill comes 2 rounds
+    # past one and 2 before the next. At tiny_train's 4 (every 2 rounds) the next checkpoint
+    # was due at the kill itself, and in CI it completed first (5 rounds published, 4 held).
+    every = "synchronizer.checkpoint_every_rounds=8"
+    cfg = tiny(tmp_path, "headloss", "diloco.mode=decoupled", "token_budget=24000", every, *pace)
     job = tmp_path / "headloss.yaml"
     # Key order kept: the run's config digest (which a resume must match) hashes the config's
     # JSON as is, task_args' key order included.
