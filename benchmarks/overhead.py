@@ -55,7 +55,6 @@ def bare(cfg: RunConfig, merge: bool = True) -> dict[str, float]:
     from ray_diloco.algorithm.learner_core import LearnerCore
     from ray_diloco.algorithm.setup import Setup
     from ray_diloco.algorithm.sync_core import SynchronizerCore
-    from ray_diloco.algorithm.wire import decode_tree
 
     setup = Setup.build(cfg)
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
@@ -74,8 +73,9 @@ def bare(cfg: RunConfig, merge: bool = True) -> dict[str, float]:
         for meta, delta in offers if merge else ():
             sync.offer(meta, delta, now)
         for pub in sync.poll(time.monotonic()) if merge else ():
-            sync.sent(lg.name, pub.nbytes)
-            core.receive(pub.fragment, pub.version, decode_tree(pub.encoded))
+            for _, msgs in sync.messages(pub, [lg.name]):
+                for msg in msgs:
+                    core.receive(msg)
         core.apply_received()
         if not start:  # the first step compiled: the steady state starts here
             start, first = time.perf_counter(), core.step

@@ -32,8 +32,8 @@ from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
 if TYPE_CHECKING:
+    from ray_diloco.algorithm.downstream import Message
     from ray_diloco.algorithm.learner_core import LearnerCore
-    from ray_diloco.algorithm.wire import Encoded
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class LearnerHost:
         self.name, self.host_index, self.num_hosts = self.lg.name, host_index, num_hosts
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._incoming: list[tuple[int, int, Any]] = []  # received, not yet at a boundary
+        self._incoming: list[Message] = []  # received, not yet at a boundary
         self.stop_reason = ""
         self._leaving = False
         self.transitions: list[dict[str, Any]] = []
@@ -95,13 +95,10 @@ class LearnerHost:
 
         return spmd.free_address()
 
-    def receive(self, fragment: int, version: int, encoded: dict[str, Encoded]) -> None:
+    def receive(self, msg: Message) -> None:
         """A published fragment (a synchronizer-owned object), for the next step boundary."""
-        from ray_diloco.algorithm.wire import decode_tree
-
-        values = decode_tree(encoded)
         with self._cond:
-            self._incoming.append((fragment, version, values))
+            self._incoming.append(msg)
             self.counts["received"] += 1
             self._cond.notify_all()
 
@@ -288,7 +285,7 @@ class LearnerHost:
             items, stop, leases = link.share_step(items, stop, leases)
             core.reader.add([Lease(*lease) for lease in leases])
             for item in items:
-                core.receive(*item)
+                core.receive(item)
             core.apply_received()
             if stop:
                 return False
@@ -323,13 +320,9 @@ class LearnerHost:
     def _held(self, core: LearnerCore) -> dict[int, tuple[int, Any]]:
         """The newest publication of each fragment this learner holds, including those that
         arrived since the last step boundary (a restarted synchronizer recovers from them)."""
-        held = core.held()
         with self._cond:
             incoming = list(self._incoming)
-        for p, version, values in incoming:
-            if version > held[p][0]:
-                held[p] = (version, values)
-        return held
+        return core.held(incoming)
 
     def _set_state(self, state: LearnerState, reason: str) -> None:
         self.state = state

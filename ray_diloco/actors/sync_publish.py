@@ -18,12 +18,11 @@ import psutil
 import ray
 
 from ray_diloco.actors.resources import LOCAL_REGION
-from ray_diloco.algorithm.wire import tree_bytes
 
 if TYPE_CHECKING:  # JAX-using: imported inside the actor, never at module level
     from ray_diloco.actors.sync_restore import ShardStore
+    from ray_diloco.algorithm.downstream import Message
     from ray_diloco.algorithm.sync_core import Publication, SynchronizerCore
-    from ray_diloco.algorithm.wire import Encoded
     from ray_diloco.control.events import RoundClosed
 
 
@@ -61,31 +60,29 @@ class PublishDuty:
         return {n: h for n, h in self.hosts.items() if n in members and members[n].active}
 
     def _publish(
-        self,
-        fragment: int,
-        version: int,
-        encoded: dict[str, Encoded],
-        targets: dict[str, list[Any]],
-        track: bool = False,
+        self, msgs: list[Message], targets: dict[str, list[Any]], track: bool = False
     ) -> None:
-        """Send a fragment to `targets`; `track`: a round's publication (`deliveries`)."""
-        ref = ray.put(encoded)  # owned by the synchronizer, shared by every send
-        nbytes = tree_bytes(encoded)
+        """Send `msgs` (one version, or the differences up to it) to `targets`, in order;
+        `track`: a round's publication, counted once its last message arrives
+        (`deliveries`)."""
+        refs = [ray.put(msg) for msg in msgs]  # owned by the synchronizer, shared by every send
         now = time.monotonic()
         for learner, handles in targets.items():
             # Each copy occupies the region's serial downstream pipe, as in the reference run.
             region = self.regions.get(learner, LOCAL_REGION)
-            delay = self._wan.arrival(region, "down", nbytes, now) - now
-            for host in handles:
-                send = functools.partial(self._send, host, fragment, version, ref, track)
-                self._links.call_later(delay, send)
-            self.metrics.link_bytes(learner, region, "down", nbytes)
+            for i, (msg, ref) in enumerate(zip(msgs, refs, strict=True)):
+                delay = self._wan.arrival(region, "down", msg.nbytes, now) - now
+                last = track and i == len(msgs) - 1
+                for host in handles:
+                    send = functools.partial(self._send, host, msg, ref, last)
+                    self._links.call_later(delay, send)
+                self.metrics.link_bytes(learner, region, "down", msg.nbytes)
 
-    def _send(self, host: Any, fragment: int, version: int, ref: Any, track: bool) -> None:
+    def _send(self, host: Any, msg: Message, ref: Any, track: bool) -> None:
         # A learner that is down gets the latest version when it registers again.
-        call = host.receive.remote(fragment, version, ref)
+        call = host.receive.remote(ref)
         if track:
-            self.deliveries.sent(fragment, version, call)
+            self.deliveries.sent(msg.fragment, msg.version, call)
 
     def _round_metrics(self, pub: Publication, live: int) -> None:
         m = self.metrics

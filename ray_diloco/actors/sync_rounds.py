@@ -132,10 +132,8 @@ class RoundDuty:
                     }
                     self.store.log.append(LoggedRound.of(close, cursors))
                 active = self._targets()
-                targets = {n: active[n] for n in self.core.recipients(pub, active)}
+                groups = self.core.messages(pub, self.core.recipients(pub, active))
                 live = len(self.core.book.live(self._now()))
-                for learner in targets:
-                    self.core.sent(learner, pub.nbytes)
                 self._closing[(pub.fragment, pub.version)] = RoundClosed(
                     time.time(),
                     pub.fragment,
@@ -146,9 +144,10 @@ class RoundDuty:
                     close.closed_s - close.quorum_s,
                     self.shard,
                 )
-            sends = sum(len(handles) for handles in targets.values())
+            sends = sum(len(active[n]) for names, _ in groups for n in names)
             self.deliveries.expect(pub.fragment, pub.version, sends)
-            self._publish(pub.fragment, pub.version, pub.encoded, targets, track=True)
+            for names, msgs in groups:
+                self._publish(msgs, {n: active[n] for n in names}, track=True)
             self._round_metrics(pub, live)
 
     @staticmethod

@@ -50,7 +50,7 @@ from ray_diloco.actors.sync_evaluation import EvaluationDuty
 from ray_diloco.actors.sync_publish import PublishDuty
 from ray_diloco.actors.sync_restore import ShardStore
 from ray_diloco.actors.sync_rounds import RoundDuty
-from ray_diloco.algorithm.wire import offered_bytes, tree_bytes
+from ray_diloco.algorithm.wire import offered_bytes
 from ray_diloco.config import RunConfig, config_digest
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.log import setup_logging
@@ -297,9 +297,9 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             if newest is not None:  # refused for being behind: it adopts the newest version
                 behind = {n: h for n, h in self._targets().items() if n == meta.learner}
                 for learner in behind:
-                    self.core.sent(learner, tree_bytes(newest[1]))
+                    self.core.sent(learner, newest.nbytes)
         if newest is not None:
-            self._publish(meta.fragment, *newest, behind)
+            self._publish([newest], behind)
         self._wake.set()
         region = self.regions.get(meta.learner, LOCAL_REGION)
         self.metrics.link_bytes(meta.learner, region, "up", offered_bytes(delta))

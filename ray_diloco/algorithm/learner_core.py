@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ray_diloco.algorithm import inner, wire
+from ray_diloco.algorithm import downstream, inner, wire
+from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
 from ray_diloco.algorithm.leases import ENDLESS, Lease
 from ray_diloco.algorithm.pytree import TreeLayout
@@ -168,10 +169,13 @@ class LearnerCore:
         self.steps_since = [0] * num_fragments  # inner steps since fragment p was received
         self.tokens_since = [0] * num_fragments
         self.params: dict[str, jax.Array] = {}
+        self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
+        # Differences whose base version has not arrived yet: p -> base -> message.
+        self.waiting: list[dict[int, Message]] = [{} for _ in range(num_fragments)]
+        self.full_dtype = downstream.full_dtype(cfg.diloco)
         self.adopt(snapshot)
         self.opt_state = self._fresh_opt_state()
         self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
-        self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
 
     def _fresh_opt_state(self) -> Any:
         state = inner.init_opt_state(self.tx, self.tree, self.params)
@@ -199,22 +203,56 @@ class LearnerCore:
         self.adopt({p: entry for p, entry in snapshot.items() if p not in kept})
         return kept
 
-    def held(self) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
+    def held(
+        self, arrived: Sequence[Message] = ()
+    ) -> dict[int, tuple[int, Mapping[str, np.ndarray]]]:
         """The newest publication of each fragment this learner holds (applied, or received
-        for the next step boundary): what a restarted synchronizer recovers from."""
+        for the next step boundary, or among `arrived`, messages not handed to `receive`
+        yet): what a restarted synchronizer recovers from. Changes nothing."""
         out: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {
-            p: (v, self.base_values[p]) for p, v in enumerate(self.base_version)
+            p: self._newest(p) for p in range(self.plan.num_fragments)
         }
-        for p, (version, values) in list(self.inbox.items()):
-            if version > out[p][0]:
-                out[p] = (version, values)
+        for msg in arrived:
+            version, values = out[msg.fragment]
+            if msg.version > version:
+                base = values if msg.base == version else None
+                if (new := downstream.decode(msg, base, self.full_dtype)) is not None:
+                    out[msg.fragment] = (msg.version, new)
         return out
 
-    def receive(self, fragment: int, version: int, values: Mapping[str, np.ndarray]) -> None:
-        """Hold a published fragment until the next step boundary (`apply_received`)."""
-        held = self.inbox.get(fragment)
-        if held is None or version > held[0]:
-            self.inbox[fragment] = (version, values)
+    def _newest(self, p: int) -> tuple[int, Mapping[str, np.ndarray]]:
+        held = self.inbox.get(p)
+        if held is not None and held[0] > self.base_version[p]:
+            return held
+        return self.base_version[p], self.base_values[p]
+
+    def receive(self, msg: Message) -> None:
+        """Hold a published fragment until the next step boundary (`apply_received`). A
+        difference waits for the version it is based on (messages may arrive in any order)."""
+        p = msg.fragment
+        if msg.base is None:
+            self._hold(p, msg.version, wire.decode_tree(msg.encoded))
+        else:
+            self.waiting[p][msg.base] = msg
+        self._resolve(p)
+
+    def _hold(self, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
+        held = self.inbox.get(p)
+        if version > self.base_version[p] and (held is None or version > held[0]):
+            self.inbox[p] = (version, values)
+
+    def _resolve(self, p: int) -> None:
+        """Apply the waiting differences that follow the newest version held, in order;
+        forget those based on older versions (a newer full value superseded them)."""
+        waiting = self.waiting[p]
+        while waiting:
+            version, values = self._newest(p)
+            for base in [b for b in waiting if b < version]:
+                del waiting[base]
+            msg = waiting.pop(version, None)
+            if msg is None:
+                return
+            self._hold(p, msg.version, downstream.resolve(values, msg.encoded, self.full_dtype))
 
     def apply_received(self) -> list[int]:
         """At a step boundary, mix in the held fragments that are due. Decoupled: all of them.
@@ -249,6 +287,8 @@ class LearnerCore:
         self.base_version[p] = version
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        if self.waiting[p]:
+            self._resolve(p)
 
     # -- the inner loop -----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
+from ray_diloco.algorithm.downstream import Downstream, Message
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
@@ -70,17 +71,12 @@ class Held:
 
 @dataclass(frozen=True)
 class Publication:
-    """A merged fragment to send to every live learner."""
+    """A merged fragment, to send to its recipients (`messages`)."""
 
     fragment: int
     version: int
-    encoded: dict[str, wire.Encoded]
     close: RoundClose
     sync_time_s: float
-
-    @property
-    def nbytes(self) -> int:
-        return wire.tree_bytes(self.encoded)
 
 
 class SynchronizerCore(RecoveringCore):
@@ -124,6 +120,7 @@ class SynchronizerCore(RecoveringCore):
         self.outer_states = {p: outer.init_outer_state(self.tx, v) for p, v in self.values.items()}
         # Version 0 is the shared initialisation every learner starts from, exactly.
         self.published: dict[int, dict[int, Values]] = {p: {0: v} for p, v in self.values.items()}
+        self.down = Downstream(cfg.diloco, self.owned)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -148,6 +145,7 @@ class SynchronizerCore(RecoveringCore):
         fenced = tuple(e.meta for e in pending)
         for meta in fenced:
             self._reject(Verdict.OLD_INCARNATION, meta)
+        self.down.adopted(learner, {p: v for p, (v, _) in self.snapshot().items()})
         if not self.owns_data:
             cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
             return Admission(versions, [], 0, cursor, fenced)
@@ -275,17 +273,18 @@ class SynchronizerCore(RecoveringCore):
         values, self.outer_states[p] = outer.outer_step(
             self.tx, g, self.outer_states[p], grad, scale
         )
-        dtype = wire.publish_dtype(d.wire_dtype)
-        encoded = wire.encode_tree(values, dtype)
         hist = dict(self.published[p])
-        # A float32 publication is the value itself, bit for bit (neither is ever modified).
-        hist[close.version] = values if dtype == "float32" else wire.decode_tree(encoded)
+        # What every learner holding the new version holds (downstream.py): contributions
+        # based on it are rebuilt from exactly that.
+        hist[close.version], _ = self.down.publish(
+            p, close.version, values, hist.get(close.version - 1)
+        )
         for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
             del hist[v]
         # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
         self.values[p], self.published[p] = values, hist
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
-        return Publication(p, close.version, encoded, close, elapsed)
+        return Publication(p, close.version, close, elapsed)
 
     def _weights(self, close: RoundClose) -> list[float]:
         d = self.cfg.diloco
@@ -310,23 +309,35 @@ class SynchronizerCore(RecoveringCore):
         merged = {c.meta.learner for c in pub.close.contributions}
         return [n for n in learners if n in merged]
 
-    def catch_up(
-        self, meta: ContributionMeta, verdict: Verdict
-    ) -> tuple[int, dict[str, wire.Encoded]] | None:
-        """The newest version of the fragment (and its encoding) to send the learner whose
+    def messages(
+        self, pub: Publication, learners: Iterable[str]
+    ) -> list[tuple[list[str], list[Message]]]:
+        """What each of `learners` (the recipients) is sent of `pub`, grouped by message:
+        the new value, or the differences since the version it holds (`diloco.
+        publish_delta`). Counts the bytes each is sent."""
+        q = self.published[pub.fragment][pub.version]
+        groups = self.down.messages(pub.fragment, pub.version, q, learners)
+        for names, msgs in groups:
+            for n in names:
+                self.sent(n, sum(m.nbytes for m in msgs))
+        return groups
+
+    def catch_up(self, meta: ContributionMeta, verdict: Verdict) -> Message | None:
+        """The newest version of the fragment, in full, to send the learner whose
         contribution was just refused for being behind, or broken, when publications only go
         to contributors: it would otherwise never hear of a newer version. With `publish_to:
         all` only when its base is gone from the history (a restore that fell back to the
-        checkpoint renamed it): were every learner in that state, no round would close and no
-        publication would ever come. None otherwise."""
+        checkpoint renamed it: were every learner in that state, no round would close and no
+        publication would ever come), or when publications go down as differences (a learner
+        that missed one cannot resolve the next). None otherwise."""
         if verdict not in CATCH_UP:
             return None
+        d = self.cfg.diloco
         hist = self.published[meta.fragment]
-        if self.cfg.diloco.publish_to == "all" and meta.base_version in hist:
+        if d.publish_to == "all" and d.publish_delta == "none" and meta.base_version in hist:
             return None
         version = max(hist)
-        dtype = wire.publish_dtype(self.cfg.diloco.wire_dtype)
-        return version, wire.encode_tree(hist[version], dtype)
+        return self.down.catch_up(meta.fragment, version, hist[version], meta.learner)
 
     def sent(self, learner: str, nbytes: int) -> None:
         self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.algorithm.downstream import Downstream
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.round_log import LoggedRound
@@ -49,6 +50,7 @@ class RecoveringCore:
     values: dict[int, Values]
     published: dict[int, dict[int, Values]]
     recovering: dict[int, Recovery]
+    down: Downstream
 
     def resume_versions(self, published: Mapping[int, int]) -> int:
         """After a restore with no learner to ask (a resumed run's learners start afresh):
@@ -122,4 +124,5 @@ class RecoveringCore:
             hist[top + 1] = copy
             self.book.replay(fragment, top + 1, {})
         self.published[fragment] = hist
+        self.down.forget(fragment)  # learners hold values from before: each gets it in full
         return adopted, max(0, r.delivered - adopted)

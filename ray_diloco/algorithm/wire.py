@@ -1,7 +1,8 @@
 """Layer: algorithm (pure, no Ray). Wire formats for fragments crossing a learner-synchronizer
-link: float32, bfloat16, int8 (per-tensor scale) and int4 (blockwise scales, two values per
-byte). Streaming DiLoCo (algorithm.md section 1) sends outer gradients in 4 bits without
-measurable loss; the byte counts here are what the bandwidth measure (section 9) adds up.
+link: float32, bfloat16, int8 (per-tensor scale), int4 (blockwise scales, two values per
+byte) and int2 (blockwise scales, four values per byte: where quality breaks). Streaming
+DiLoCo (algorithm.md section 1) sends outer gradients in 4 bits without measurable loss; the
+byte counts here are what the bandwidth measure (section 9) adds up.
 
 Layouts (all little-endian, independent of the host):
 - float32: 4 bytes per element, no scales.
@@ -10,6 +11,8 @@ Layouts (all little-endian, independent of the host):
 - int4: the flattened tensor in blocks of `block_size` elements (the last may be short), one
   float32 scale `absmax / 7` per block, values in [-7, 7] as two's-complement nibbles, element
   2i in the low nibble of byte i and 2i+1 in the high one (ceil(n / 2) bytes).
+- int2: as int4, with scale `absmax / 1` and values in [-1, 1] as two-bit two's-complement
+  fields, element 4i + j in bits 2j..2j+1 of byte i (ceil(n / 4) bytes).
 `Encoded.nbytes` counts payload and scales only; dtype, shape and block size are metadata that
 both ends already know from the config and the fragment plan.
 """
@@ -27,15 +30,16 @@ from numpy.typing import ArrayLike
 from ray_diloco.algorithm.chunks import CHUNK, flat32, sq_distance
 from ray_diloco.config import WireDtype
 
-_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4")
+_DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4", "int2")
 _INT8_MAX = 127
-_INT4_MAX = 7
+# The blockwise dtypes: bits per element and the largest magnitude they carry.
+_BLOCKWISE = {"int4": (4, 7), "int2": (2, 1)}
 _F32 = np.dtype("<f4")
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """One leaf on the wire. `block_size` is meaningful for int4 only (0 otherwise)."""
+    """One leaf on the wire. `block_size` is meaningful for int4 and int2 only (0 otherwise)."""
 
     dtype: WireDtype
     shape: tuple[int, ...]
@@ -55,7 +59,7 @@ class Encoded:
 def _check(dtype: str, block_size: int) -> None:
     if dtype not in _DTYPES:
         raise ValueError(f"diloco.wire_dtype={dtype!r}: expected one of {list(_DTYPES)}")
-    if dtype == "int4" and block_size < 1:
+    if dtype in _BLOCKWISE and block_size < 1:
         raise ValueError(f"diloco.int4_block_size={block_size} must be >= 1")
 
 
@@ -74,14 +78,15 @@ def wire_bytes(num_elements: int, dtype: WireDtype, block_size: int = 64) -> int
         return 2 * num_elements
     if dtype == "int8":
         return num_elements + 4
-    return (num_elements + 1) // 2 + 4 * _num_blocks(num_elements, block_size)
+    per_byte = 8 // _BLOCKWISE[dtype][0]
+    return -(-num_elements // per_byte) + 4 * _num_blocks(num_elements, block_size)
 
 
 def _scale_bytes(num_elements: int, dtype: WireDtype, block_size: int) -> int:
     """Bytes of scales a leaf of `num_elements` elements carries (the rest is payload)."""
     if dtype == "int8":
         return 4
-    return 4 * _num_blocks(num_elements, block_size) if dtype == "int4" else 0
+    return 4 * _num_blocks(num_elements, block_size) if dtype in _BLOCKWISE else 0
 
 
 def well_formed(enc: object, shape: tuple[int, ...]) -> bool:
@@ -92,7 +97,7 @@ def well_formed(enc: object, shape: tuple[int, ...]) -> bool:
         return False
     if not (isinstance(enc.payload, bytes) and isinstance(enc.scales, bytes)):
         return False
-    if enc.dtype == "int4" and (not isinstance(enc.block_size, int) or enc.block_size < 1):
+    if enc.dtype in _BLOCKWISE and (not isinstance(enc.block_size, int) or enc.block_size < 1):
         return False
     n = enc.num_elements
     scales = _scale_bytes(n, enc.dtype, enc.block_size)
@@ -135,15 +140,19 @@ def encode(x: ArrayLike, dtype: WireDtype, block_size: int = 64) -> Encoded:
     if dtype == "int8":
         q, scales = _symmetric(wide[None, :], _INT8_MAX)
         return Encoded(dtype, shape, q.tobytes(), scales.astype(_F32).tobytes())
+    bits, qmax = _BLOCKWISE[dtype]
     n = flat.size
     num_blocks = _num_blocks(n, block_size)
     padded = np.zeros(num_blocks * block_size, dtype=np.float64)
     padded[:n] = wide  # zero padding leaves every block's absmax unchanged
-    q, scales = _symmetric(padded.reshape(num_blocks, block_size), _INT4_MAX)
-    nibbles = (q.reshape(-1)[:n].astype(np.uint8)) & 0x0F
-    if n % 2:
-        nibbles = np.append(nibbles, np.uint8(0))
-    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    q, scales = _symmetric(padded.reshape(num_blocks, block_size), qmax)
+    per_byte = 8 // bits
+    flat_fields = np.zeros(-(-n // per_byte) * per_byte, np.uint8)  # short last byte: zeros
+    flat_fields[:n] = q.reshape(-1)[:n].astype(np.uint8) & ((1 << bits) - 1)
+    fields = flat_fields.reshape(-1, per_byte)
+    packed = np.zeros(len(fields), np.uint8)
+    for j in range(per_byte):
+        packed |= fields[:, j] << (bits * j)
     return Encoded(dtype, shape, packed.tobytes(), scales.astype(_F32).tobytes(), block_size)
 
 
@@ -168,11 +177,20 @@ def _float_payload(enc: Encoded) -> np.ndarray:
 
 
 Fill = Callable[[int, int, np.ndarray], None]
-# Byte b of an int4 payload holds two's-complement nibbles (low: element 2i, high: 2i+1);
-# row b is their values, sign-extended (0..7 stay, 8..15 become -8..-1), as float32.
-_INT4_PAIRS = np.array(
-    [[((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], dtype=np.float32
-)
+
+
+def _unpack_table(bits: int) -> np.ndarray:
+    """Row b: the values byte b of a blockwise payload holds, lowest bits first, each field
+    sign-extended from two's complement (int4: 8..15 become -8..-1; int2: 2, 3 become -2, -1)."""
+    mask, sign = (1 << bits) - 1, 1 << (bits - 1)
+    fields = range(8 // bits)
+    return np.array(
+        [[(((b >> (bits * j)) & mask) ^ sign) - sign for j in fields] for b in range(256)],
+        dtype=np.float32,
+    )
+
+
+_UNPACK = {dtype: _unpack_table(bits) for dtype, (bits, _) in _BLOCKWISE.items()}
 
 
 def _decoder(enc: Encoded) -> tuple[int, Fill]:
@@ -192,14 +210,17 @@ def _decoder(enc: Encoded) -> tuple[int, Fill]:
     packed = np.frombuffer(enc.payload, dtype=np.uint8)
     scales = np.frombuffer(enc.scales, dtype=_F32)
     bs = enc.block_size
-    step = max(2 * bs, CHUNK // (2 * bs) * 2 * bs)  # whole blocks, an even start
+    table = _UNPACK[enc.dtype]
+    per_byte = table.shape[1]
+    whole_bytes = per_byte * bs
+    step = max(whole_bytes, CHUNK // whole_bytes * whole_bytes)  # whole blocks and bytes
 
     def fill4(s: int, e: int, out: np.ndarray) -> None:
-        part = packed[s // 2 : (e + 1) // 2]
-        if (e - s) % 2 == 0:  # one gather: each byte to its two values
-            np.take(_INT4_PAIRS, part, axis=0, out=out.reshape(-1, 2))
-        else:  # the leaf's last chunk, with the padding nibble
-            out[...] = _INT4_PAIRS[part].reshape(-1)[: e - s]
+        part = packed[s // per_byte : -(-e // per_byte)]
+        if (e - s) % per_byte == 0:  # one gather: each byte to its values
+            np.take(table, part, axis=0, out=out.reshape(-1, per_byte))
+        else:  # the leaf's last chunk, with the padding fields
+            out[...] = table[part].reshape(-1)[: e - s]
         block = scales[s // bs : -(-e // bs)]
         whole = (e - s) // bs * bs
         out[:whole].reshape(-1, bs)[...] *= block[: whole // bs, None]

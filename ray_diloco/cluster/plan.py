@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ray_diloco.algorithm import wire
 from ray_diloco.cluster.files import ClusterSpec, HeadNode, SlicePool
-from ray_diloco.config import LearnerGroupConfig, LinkConfig, RunConfig
+from ray_diloco.config import LearnerGroupConfig, LinkConfig, RunConfig, WireDtype
 
 LOCAL_REGION = "local"
 # Ray keeps 30% of a node's memory for its object store by default; the head's GCS, dashboard,
@@ -176,13 +176,19 @@ def _no_slice(lg: LearnerGroupConfig, cluster: ClusterSpec) -> str:
 
 def fragment_wire_bytes(cfg: RunConfig, fragment_sizes: Sequence[int]) -> tuple[int, int]:
     """(up, down) bytes of one offer and one publication of every fragment once: contributions
-    go on `wire_dtype`, publications in float32 or bfloat16 (`wire.publish_dtype`). Counted per
-    fragment; the per-leaf int4 block rounding of the real encoding adds < 5 bytes a leaf."""
+    go on `wire_dtype`, publications as `publish_delta` differences, or in float32 or bfloat16
+    (`wire.publish_dtype`) when it is none (the steady state: a joining learner's first one
+    is a full value). Counted per fragment; the per-leaf block rounding of the real encoding
+    adds < 5 bytes a leaf."""
     d = cfg.diloco
     up = sum(wire.wire_bytes(n, d.wire_dtype, d.int4_block_size) for n in fragment_sizes)
-    down_dtype = wire.publish_dtype(d.wire_dtype)
-    down = sum(wire.wire_bytes(n, down_dtype, d.int4_block_size) for n in fragment_sizes)
+    down = sum(wire.wire_bytes(n, _down_dtype(cfg), d.int4_block_size) for n in fragment_sizes)
     return up, down
+
+
+def _down_dtype(cfg: RunConfig) -> WireDtype:
+    d = cfg.diloco
+    return wire.publish_dtype(d.wire_dtype) if d.publish_delta == "none" else d.publish_delta
 
 
 def learner_link_loads(
@@ -276,7 +282,7 @@ def render(plan: Plan) -> str:
         f"plan: {cfg.name} on {', '.join(plan.cluster.files)}",
         f"model: {plan.num_params:,} parameters in {len(sizes)} fragments "
         f"(largest {max(sizes):,}); {d.mode}, H={d.sync_every}, K={d.quorum_min}, "
-        f"wire {d.wire_dtype} up / {wire.publish_dtype(d.wire_dtype)} down, publish to "
+        f"wire {d.wire_dtype} up / {_down_dtype(cfg)} down, publish to "
         f"{d.publish_to}",
     ]
     if head is not None:

@@ -16,4 +16,4 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-WireDtype = Literal["float32", "bfloat16", "int8", "int4"]
+WireDtype = Literal["float32", "bfloat16", "int8", "int4", "int2"]

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import links
+from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.setup import Setup, tokens_per_step
 from ray_diloco.algorithm.sync_core import SynchronizerCore
-from ray_diloco.algorithm.wire import decode_tree, tree_bytes
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 from ray_diloco.sim import sim_faults
@@ -160,19 +160,19 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     next_eval, eval_every = 0, max(1, cfg.token_budget // sim.num_evals)
     now = 0.0
 
-    def send(j: int, fragment: int, version: int, encoded: Any, t: float) -> None:
+    def send(j: int, msgs: list[Message], t: float) -> None:
+        """Messages down learner j's link, in order (the byte count is the caller's)."""
         lg = learners[j].cfg
-        nbytes = tree_bytes(encoded)
-        sync.sent(lg.name, nbytes)
-        arrive = wan.arrival(lg.region, "down", nbytes, t)
-        sim.push(arrive, "publish", (j, fragment, version, encoded))
+        for msg in msgs:  # the link is a serial pipe: they arrive in order
+            sim.push(wan.arrival(lg.region, "down", msg.nbytes, t), "publish", (j, msg))
 
     def close_rounds(t: float) -> None:
         for pub in sync.poll(t, sync_time_s=cfg.sync_time_s):
             round_times.append(t)
             live = [n for n, j in index.items() if not learners[j].left]
-            for name in sync.recipients(pub, live):
-                send(index[name], pub.fragment, pub.version, pub.encoded, t + pub.sync_time_s)
+            for names, msgs in sync.messages(pub, sync.recipients(pub, live)):
+                for name in names:
+                    send(index[name], msgs, t + pub.sync_time_s)
         deadline = sync.book.next_deadline()
         if deadline is not None and deadline > t and deadline not in polls:
             polls.add(deadline)
@@ -212,17 +212,18 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             meta, delta = payload
             newest = sync.catch_up(meta, sync.offer(meta, delta, now))
             if newest is not None and not learners[index[meta.learner]].left:
-                send(index[meta.learner], meta.fragment, *newest, now)
+                sync.sent(meta.learner, newest.nbytes)
+                send(index[meta.learner], [newest], now)
             close_rounds(now)
         elif kind == "poll":
             polls.discard(now)
             close_rounds(now)
         elif kind == "publish":
-            j, frag, version, encoded = payload
+            j, msg = payload
             ln = learners[j]
             if not ln.alive or ln.left:
                 continue  # a learner that is down gets the latest version when it comes back
-            ln.core.receive(frag, version, decode_tree(encoded))
+            ln.core.receive(msg)
             if ln.blocked:
                 step_boundary(j, now)
         elif kind == "fail" and payload < len(learners) and learners[payload].alive:

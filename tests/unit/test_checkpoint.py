@@ -21,7 +21,7 @@ def _merge_one_round(core: SynchronizerCore) -> None:
     meta = ContributionMeta("a", 0, 0, 0, 4, 4, 512)
     assert core.offer(meta, wire.encode_tree(delta, "bfloat16"), now=0.1) is Verdict.ACCEPTED
     (pub,) = core.poll(now=0.2)
-    core.sent("a", pub.nbytes)
+    core.messages(pub, ["a"])  # counts the bytes sent down
 
 
 @pytest.mark.timeout(60)

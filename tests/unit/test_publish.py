@@ -49,10 +49,9 @@ def test_a_refused_learner_catches_up_on_the_newest_version() -> None:
     stale = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
     assert _offer(core, "a", base=0, now=1.0) is Verdict.STALE_VERSION
     newest = core.catch_up(stale, Verdict.STALE_VERSION)
-    assert newest is not None
-    version, encoded = newest
-    assert version == 2
-    for k, v in wire.decode_tree(encoded).items():
+    assert newest is not None and newest.base is None  # the full value
+    assert newest.version == 2
+    for k, v in wire.decode_tree(newest.encoded).items():
         np.testing.assert_array_equal(v, core.snapshot()[0][1][k])
     # accepted contributions and dead incarnations need no catching up
     assert core.catch_up(stale, Verdict.ACCEPTED) is None
@@ -71,7 +70,7 @@ def test_publish_to_all_catches_up_only_a_base_gone_from_the_history() -> None:
     gone = ContributionMeta("a", 0, 0, 7, 4, 4, 256)
     assert _offer(core, "a", base=7, now=0.3) is Verdict.FUTURE_VERSION
     newest = core.catch_up(gone, Verdict.FUTURE_VERSION)
-    assert newest is not None and newest[0] == 1
+    assert newest is not None and newest.version == 1
 
 
 @pytest.mark.timeout(120)

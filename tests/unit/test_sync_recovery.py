@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ray_diloco.algorithm import wire
+from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.round_log import LoggedRound, RoundLog
 from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
@@ -187,7 +188,7 @@ def test_a_learner_holds_its_newest_publication(setup: Setup) -> None:
     core = LearnerCore(
         cfg, cfg.learners[0], setup.task, setup.layout, setup.plan, _snapshot(setup, 3)
     )
-    core.receive(1, 5, _values(setup, 1, 9.0))
+    core.receive(Message(1, 5, None, wire.encode_tree(_values(setup, 1, 9.0), "bfloat16")))
     held = core.held()
     assert held[0][0] == 3 and held[1][0] == 5
     for v in held[1][1].values():

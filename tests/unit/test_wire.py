@@ -21,7 +21,7 @@ from ray_diloco.algorithm.wire import (
 )
 from ray_diloco.config import WireDtype
 
-DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4")
+DTYPES: tuple[WireDtype, ...] = ("float32", "bfloat16", "int8", "int4", "int2")
 
 
 def _rand(shape: tuple[int, ...], seed: int = 0, scale: float = 1.0) -> np.ndarray:
@@ -105,6 +105,15 @@ def test_int4_hand_example() -> None:
     np.testing.assert_array_equal(decode(enc), x)
 
 
+def test_int2_hand_example() -> None:
+    # One block of 6: scale = absmax / 1 = 2; values round to -1, 0 or 1 (times 2), packed
+    # four to a byte, lowest bits first: [1, 0, -1, 0] -> 0b00_11_00_01, [1, -1] -> 0b11_01.
+    enc = encode(np.array([2.0, 0.4, -1.5, 0.9, 1.1, -2.0], np.float32), "int2", block_size=6)
+    assert enc.payload == bytes([0b00110001, 0b1101])
+    assert np.frombuffer(enc.scales, "<f4").tolist() == [2.0]
+    np.testing.assert_array_equal(decode(enc), [2.0, 0.0, -2.0, 0.0, 2.0, -2.0])
+
+
 def test_int4_blockwise_error_bound() -> None:
     # Three blocks of very different magnitude plus a one-element last block: each block's error is
     # bounded by its own scale / 2, so the small block is not drowned by the large one.
@@ -180,7 +189,7 @@ def test_tree_round_trip(dtype: WireDtype) -> None:
     out = decode_tree(enc)
     for k, v in values.items():
         assert out[k].shape == v.shape and out[k].dtype == np.float32
-        tol = {"float32": 0.0, "bfloat16": 2**-8, "int8": 1 / 127, "int4": 1 / 7}[dtype]
+        tol = {"float32": 0.0, "bfloat16": 2**-8, "int8": 1 / 127, "int4": 1 / 7, "int2": 1}[dtype]
         assert np.abs(out[k] - v).max() <= tol * np.abs(v).max() + 1e-7
 
 
@@ -189,7 +198,7 @@ def test_publish_dtype() -> None:
     assert [publish_dtype(d) for d in ("bfloat16", "int8", "int4")] == ["bfloat16"] * 3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_add_is_decode_plus_base_and_measures_the_distances(dtype: str) -> None:
     from ray_diloco.algorithm.chunks import CHUNK
     from ray_diloco.algorithm.wire import decode_add
