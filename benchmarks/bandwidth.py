@@ -1,22 +1,37 @@
-"""Bandwidth: bytes per token over the learner-synchronizer links per mode and wire dtype, and
-the link bandwidth each mode needs to keep goodput >= 0.95, found by bisecting the emulated
+"""Bandwidth: bytes per token over the learner-synchronizer links per mode and wire (up and
+down), against data-parallel and against the arithmetic bound 8H / (b_up + b_down), with the
+held-out loss beside each; at the reference config's H = 24 and the cluster config's H = 100;
+and the link bandwidth each mode needs to keep goodput >= 0.95, found by bisecting the emulated
 link (every learner behind one WAN link of the swept bandwidth, 1 ms latency). All on the
 in-process reference run (virtual clock, `step_time_s` per inner step).
+
+The bound: per learner and H inner steps, data-parallel's ring all-reduce moves 2 x 4 bytes
+per parameter per step (8H), DiLoCo every fragment once up and, at best, once down (b_up +
+b_down bytes per parameter: float32 4, bfloat16 2, int4 0.5625 and int2 0.3125 with their
+blockwise scales). `publish_to: all` with K = 1 sends more than one round down per window.
+
+H = 100 (jobs/cluster-*.yaml: P = 25, tau = 5) needs more inner steps than the reference's 2M
+tokens at 32 sequences per learner give (2.4 syncs per fragment): those rows train 8 sequences
+per learner for 2M tokens (about 10 syncs per fragment), and data-parallel's bytes per token
+are counted at that batch.
 
 Goodput here: data-parallel and synchronous lose time waiting on the link (time-based, as the
 reference run reports it). A decoupled learner never waits, so a too-slow link shows instead as
 work that does not reach the global model: its goodput is the time-based one times the tokens
 merged per fragment relative to the same run on an unconstrained link.
 
-    python benchmarks/bandwidth.py            # jobs/reference.yaml
+    python benchmarks/bandwidth.py --jobs 2   # jobs/reference.yaml
     python benchmarks/bandwidth.py --quick
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from typing import Any
 
+from ray_diloco.algorithm.wire import wire_bytes
 from ray_diloco.config import load_config
 from ray_diloco.sim.simulate import run_reference
 
@@ -33,71 +48,135 @@ MODES = {
     "decoupled": [],
     "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }
+# wire label -> (upstream dtype, publish_delta)
+WIRES = {
+    "bfloat16": ("bfloat16", "none"),
+    "int4 up": ("int4", "none"),
+    "int4 both ways": ("int4", "int4"),
+    "int2 both ways": ("int2", "int2"),
+}
+H24 = {
+    "data_parallel": ["float32"],
+    "synchronous": ["bfloat16", "int4 up", "int4 both ways"],
+    "decoupled": ["bfloat16", "int4 up", "int4 both ways", "int2 both ways"],
+    "decoupled, publish to contributors": ["bfloat16", "int4 both ways"],
+}
+# --quick (a smoke check of every path, for the test suite): fewer rows.
+QUICK_ROWS = {"data_parallel": ["float32"], "decoupled": ["bfloat16", "int4 both ways"]}
+H100 = {
+    "decoupled": ["bfloat16", "int4 both ways", "int2 both ways"],
+    "decoupled, publish to contributors": ["bfloat16", "int4 both ways"],
+}
+H100_SETTING = [
+    "diloco.sync_every=100",
+    "diloco.num_fragments=25",
+    "diloco.overlap_steps=5",
+    *[f"learners.{i}.batch_size=8" for i in range(4)],
+]
 TARGET = 0.95
+BYTES_PER_PARAM = {"float32": 4.0, "bfloat16": 2.0}
 
 
 def run(overrides: list[str], quick: bool, budget: int) -> dict[str, Any]:
+    cache_compilations()
     base = [*(QUICK if quick else []), f"token_budget={budget}", "run_dir=/tmp/ray_diloco-bw"]
     return run_reference(load_config(CONFIG, [*base, *overrides]))
 
 
-def goodput_at(mode: str, gbps: float, quick: bool, budget: int, free: dict[str, Any]) -> float:
+def _per_param(dtype: str) -> float:
+    """Bytes per parameter of a large tensor on this wire (scales included)."""
+    n = 1 << 20
+    return BYTES_PER_PARAM.get(dtype) or wire_bytes(n, dtype, 64) / n  # type: ignore[arg-type]
+
+
+def measure(job: tuple[str, str, str, bool, int]) -> dict[str, Any]:
+    mode, wire, setting, quick, budget = job
+    overrides = [*MODES[mode], *(H100_SETTING if setting == "H=100" else [])]
+    sync_every = load_config(CONFIG, [*(QUICK if quick else []), *overrides]).diloco.sync_every
+    if mode != "data_parallel":
+        up, delta = WIRES[wire]
+        overrides += [f"diloco.wire_dtype={up}", f"diloco.publish_delta={delta}"]
+        down = up if delta != "none" else ("float32" if up == "float32" else "bfloat16")
+        bound = 8 * sync_every / (_per_param(up) + _per_param(down))
+    else:
+        bound = 1.0
+    s = run(overrides, quick, budget)
+    return {
+        "mode": mode,
+        "wire": wire,
+        "setting": setting,
+        "bytes_per_token": s["bytes_per_token"],
+        "x_fewer_than_dp": s["dp_bytes_per_token"] / s["bytes_per_token"],
+        "bound_x": bound,
+        "heldout_loss": s["heldout_loss"],
+        "rounds": s.get("rounds", 0),
+    }
+
+
+def goodput_at(
+    mode: str, overrides: list[str], gbps: float, quick: bool, budget: int, free: Any
+) -> float:
     link = [*WAN, f"links.wan.bandwidth_gbps={gbps}", "links.wan.latency_ms=1"]
-    s = run([*MODES[mode], *link], quick, budget)
+    s = run([*overrides, *link], quick, budget)
     if mode.startswith("decoupled"):
         return s["goodput"] * min(1.0, s["tokens_merged"] / free["tokens_merged"])
     return float(s["goodput"])
 
 
-def needed_bandwidth(mode: str, quick: bool, budget: int) -> float:
+def needed_bandwidth(job: tuple[str, str, bool, int]) -> tuple[str, str, float]:
     """Smallest bandwidth (Gbps, within 10%; within 2x for --quick) at which goodput >=
     TARGET, by bisection on a log scale between 1 Mbps and 100 Gbps."""
-    free = run([*MODES[mode], *WAN], quick, budget)  # region without a link: unconstrained
+    mode, wire, quick, budget = job
+    overrides = list(MODES[mode])
+    if mode != "data_parallel":
+        up, delta = WIRES[wire]
+        overrides += [f"diloco.wire_dtype={up}", f"diloco.publish_delta={delta}"]
+    free = run([*overrides, *WAN], quick, budget)  # region without a link: unconstrained
     lo, hi = math.log(1e-3), math.log(100.0)
-    if goodput_at(mode, math.exp(hi), quick, budget, free) < TARGET:
-        return math.inf
+    if goodput_at(mode, overrides, math.exp(hi), quick, budget, free) < TARGET:
+        return mode, wire, math.inf
     while hi - lo > math.log(2.0 if quick else 1.1):
         mid = (lo + hi) / 2
-        if goodput_at(mode, math.exp(mid), quick, budget, free) >= TARGET:
+        if goodput_at(mode, overrides, math.exp(mid), quick, budget, free) >= TARGET:
             hi = mid
         else:
             lo = mid
-    return math.exp(hi)
+    return mode, wire, math.exp(hi)
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    cache_compilations()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    args = p.parse_args()
     budget = 60_000 if args.quick else 500_000
+    h100_budget = 60_000 if args.quick else 2_000_000
     sweep_budget = 40_000 if args.quick else 200_000
-    rows = []
-    for mode, overrides in MODES.items():
-        for wire in ("bfloat16", "int4") if mode != "data_parallel" else ("float32",):
-            s = run([*overrides, f"diloco.wire_dtype={wire}"], args.quick, budget)
-            rows.append(
-                {
-                    "mode": mode,
-                    "wire": wire,
-                    "bytes_per_token": s["bytes_per_token"],
-                    "x_fewer_than_dp": s["dp_bytes_per_token"] / s["bytes_per_token"],
-                    "heldout_loss": s["heldout_loss"],
-                }
-            )
-            print(rows[-1], flush=True)
-        need = needed_bandwidth(mode, args.quick, sweep_budget)
-        for r in rows:
-            if r["mode"] == mode:
-                r["gbps_for_goodput_0.95"] = need
-        print(f"{mode}: needs {need:.4g} Gbps for goodput >= {TARGET}", flush=True)
-    bf16 = {r["mode"]: r["heldout_loss"] for r in rows if r["wire"] == "bfloat16"}
+    rows_h24 = QUICK_ROWS if args.quick else H24
+    jobs = [(m, w, "H=24", args.quick, budget) for m, ws in rows_h24.items() for w in ws]
+    if not args.quick:
+        jobs += [(m, w, "H=100", args.quick, h100_budget) for m, ws in H100.items() for w in ws]
+    sweeps = [
+        (m, "float32" if m == "data_parallel" else "bfloat16", args.quick, sweep_budget)
+        for m in rows_h24
+    ] + [("decoupled", "int4 both ways", args.quick, sweep_budget)]
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        need_runs = [pool.submit(needed_bandwidth, job) for job in sweeps]
+        rows = list(pool.map(measure, jobs))
+        needs = {(m, w): g for m, w, g in (f.result() for f in need_runs)}
+    bf16 = {(r["mode"], r["setting"]): r["heldout_loss"] for r in rows if r["wire"] == "bfloat16"}
     for r in rows:
-        r["loss_vs_bf16"] = r["heldout_loss"] / bf16[r["mode"]] - 1 if r["mode"] in bf16 else None
+        ref = bf16.get((r["mode"], r["setting"]))
+        r["loss_vs_bf16"] = r["heldout_loss"] / ref - 1 if ref else None
+        swept = r["setting"] == "H=24"  # the sweeps run the reference config
+        r["gbps_for_goodput_0.95"] = needs.get((r["mode"], r["wire"])) if swept else None
     name = "bandwidth-quick" if args.quick else "bandwidth"
     columns = [
         "mode",
         "wire",
+        "setting",
         "bytes_per_token",
         "x_fewer_than_dp",
+        "bound_x",
         "heldout_loss",
         "loss_vs_bf16",
         "gbps_for_goodput_0.95",
@@ -111,6 +190,8 @@ def main() -> None:
             "config": CONFIG.name,
             "quick": args.quick,
             "budget": budget,
+            "h100_budget": h100_budget,
+            "h100_setting": H100_SETTING,
             "sweep_budget": sweep_budget,
             "latency_ms": 1,
         },

@@ -54,6 +54,28 @@ def quality(data: dict[str, Any]) -> str:
     return markdown_table(rows, list(rows[0]))
 
 
+def quality_horizon(data: dict[str, Any]) -> str:
+    def refused(counts: dict[str, int]) -> str:
+        return ", ".join(f"{n} {reason}" for reason, n in counts.items()) or "0"
+
+    rows = [
+        {
+            "variant": r["variant"],
+            "M": r["learners"],
+            "seeds": r["seeds"],
+            "held-out loss (mean)": _num(r["heldout_loss"]),
+            "spread": _num(r["spread"]) if r["seeds"] > 1 else "-",
+            "vs data-parallel": _pct(r["vs_data_parallel"]),
+            "vs synchronous": _pct(r["vs_synchronous"]),
+            "outer steps / fragment": f"{r['outer_steps_per_fragment']:.0f}" if r["rounds"] else "-",
+            "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
+            "refused": refused(r["refused"]),
+        }
+        for r in data["rows"]
+    ]
+    return markdown_table(rows, list(rows[0]))
+
+
 def goodput(data: dict[str, Any]) -> str:
     rows = [
         {
@@ -77,11 +99,16 @@ def bandwidth(data: dict[str, Any]) -> str:
     rows = [
         {
             "mode": r["mode"],
-            "wire": r["wire"],
+            "wire (up, down)": r["wire"],
+            "H": r["setting"].removeprefix("H="),
             "bytes/token": f"{r['bytes_per_token']:.4g}",
             "fewer than DP": f"{r['x_fewer_than_dp']:.3g}x",
+            "bound": "-" if r["mode"] == "data_parallel" else f"{r['bound_x']:.3g}x",
             "held-out loss": _num(r["heldout_loss"]),
-            "needs for goodput 0.95": _rate(r["gbps_for_goodput_0.95"]),
+            "vs bfloat16 wire": "-" if r["loss_vs_bf16"] is None else _pct(r["loss_vs_bf16"]),
+            "needs for goodput 0.95": (
+                "-" if r["gbps_for_goodput_0.95"] is None else _rate(r["gbps_for_goodput_0.95"])
+            ),
         }
         for r in data["rows"]
     ]
@@ -267,6 +294,7 @@ def synchronizer(data: dict[str, Any]) -> str:
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
+    "quality_horizon": quality_horizon,
     "goodput": goodput,
     "bandwidth": bandwidth,
     "overhead": overhead,

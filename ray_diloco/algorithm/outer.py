@@ -65,15 +65,21 @@ def outer_step(
     opt_state: Mapping[str, Any],
     outer_grad: Mapping[str, ArrayLike],
     grad_scale: Mapping[str, float] | None = None,
+    fraction: float = 1.0,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One outer step on a fragment: `trace <- g + momentum * trace`, `G <- G - lr * u` with
     `u = g + momentum * trace` (Nesterov) or `u = trace`.
 
     `outer_grad` is the merged `G - theta` (merge.outer_gradient), a descent direction, so with
     lr 1 and no momentum the new value is the merged learner value; `grad_scale[leaf]`, when
-    given, multiplies it first (merge.scaled_outer_gradient leaves that to this pass). Returns
-    float32 NumPy values and a new state; the inputs are not modified (a checkpoint may be
-    reading the old state)."""
+    given, multiplies it first (merge.scaled_outer_gradient leaves that to this pass).
+
+    `fraction` f < 1 takes that fraction of a step (`diloco.round_step: fraction`), with
+    b = momentum: `trace <- b^f * trace + c g` where c = (1 - b^f) / (1 - b), and `u = f (g +
+    b * trace)` (Nesterov) or `f * trace`. Then 1/f rounds of gradient g decay the trace as one
+    whole step does and add exactly g to it, and, without momentum, move G exactly as far; at
+    f = 1 it is the step above, operation for operation. Returns float32 NumPy values and a
+    new state; the inputs are not modified (a checkpoint may be reading the old state)."""
     if values.keys() != outer_grad.keys():
         raise ValueError(
             f"outer_step: outer gradient leaves {sorted(outer_grad)} differ from the "
@@ -82,21 +88,32 @@ def outer_step(
     params, grads = _host(values), _host(outer_grad)
     traces: dict[str, np.ndarray] = {}
     new_values: dict[str, np.ndarray] = {}
-    mu, neg_lr = F32(tx.momentum), F32(-tx.lr)
+    b, whole = tx.momentum, fraction == 1.0
+    mu, neg_lr = F32(b), F32(-tx.lr)
+    # A fraction f of a step: the trace decays by b^f and takes c g, u is f times the whole
+    # step's (the whole step skips these, operation for operation optax's).
+    f, decay, c = F32(fraction), F32(b**fraction), F32((1 - b**fraction) / (1 - b))
+    if not whole:
+        mu, neg_lr = (mu * f, neg_lr) if tx.nesterov else (mu, neg_lr * f)
     for path, g_value in params.items():
         shape = g_value.shape
         g_flat, grad = g_value.reshape(-1), grads[path].reshape(-1)
         old = np.asarray(opt_state["trace"][path], F32).reshape(-1)
         trace, new = np.empty_like(old), np.empty_like(g_flat)
-        tmp, scaled = np.empty((2, min(CHUNK, g_flat.size)), F32)
+        tmp, scaled, part = np.empty((3, min(CHUNK, g_flat.size)), F32)
         scale = None if grad_scale is None or grad_scale[path] == 1.0 else F32(grad_scale[path])
         for s in range(0, g_flat.size, CHUNK):
             e = min(s + CHUNK, g_flat.size)
             t, u, gc = trace[s:e], tmp[: e - s], grad[s:e]
             if scale is not None:
                 gc = np.multiply(gc, scale, out=scaled[: e - s])
-            np.multiply(old[s:e], mu, out=t)
-            t += gc
+            if whole:
+                np.multiply(old[s:e], mu, out=t)
+                t += gc
+            else:
+                np.multiply(old[s:e], decay, out=t)
+                t += np.multiply(gc, c, out=part[: e - s])
+                gc = np.multiply(gc, f, out=scaled[: e - s])
             if tx.nesterov:
                 np.multiply(t, mu, out=u)
                 u += gc

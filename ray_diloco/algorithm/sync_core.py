@@ -267,11 +267,12 @@ class SynchronizerCore(RecoveringCore):
         parts = merge.scaled_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
         grad = {k: a for k, (a, _) in parts.items()}
         share = 1.0
-        if d.round_step == "share":
+        if d.round_step != "full":
             share = min(1.0, len({c.meta.learner for c in close.contributions}) / close.learners)
-        scale = {k: s * share for k, (_, s) in parts.items()}
+        scale = {k: s * share if d.round_step == "share" else s for k, (_, s) in parts.items()}
+        fraction = share if d.round_step == "fraction" else 1.0
         values, self.outer_states[p] = outer.outer_step(
-            self.tx, g, self.outer_states[p], grad, scale
+            self.tx, g, self.outer_states[p], grad, scale, fraction
         )
         hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions

@@ -66,8 +66,10 @@ class DilocoConfig(_Frozen):
     # How far one round steps. "full": the outer step of the merged gradient, however few
     # learners it merged (algorithm.md section 6). "share": scaled by the share of the live
     # learners it merged, so that M one-learner rounds step about as far as one round of all M
-    # (not M times as far).
-    round_step: Literal["full", "share"] = "full"
+    # (not M times as far). "fraction": the round is that share of an outer step, momentum
+    # included: the momentum also decays by momentum^share, so M one-learner rounds decay it
+    # as one round of all M does (with "share" it decays M times per window).
+    round_step: Literal["full", "share", "fraction"] = "full"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
     # The norm guard (algorithm.md section 7) refuses a contribution whose own update (its delta

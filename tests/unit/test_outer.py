@@ -101,3 +101,37 @@ def test_matches_optax_sgd(nesterov: bool) -> None:
     for k in values:
         np.testing.assert_allclose(values[k], ref_values[k], rtol=1e-6, atol=1e-6)
     assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(ref_state))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_four_quarter_steps_add_up_to_one_whole_step(nesterov: bool) -> None:
+    # diloco.round_step: fraction. Four rounds of a quarter step each with the same gradient
+    # decay an existing momentum exactly as one whole step does and add the gradient to it
+    # exactly once; without momentum they move G exactly as far; with it, G moves less far
+    # (the quarters' momentum builds up inside the window instead of at once).
+    cfg = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    tx = make_outer_optimizer(cfg)
+    g0 = {"w": np.zeros(4, np.float32)}
+    grad = {"w": np.array([1.0, -2.0, 0.5, 0.0], np.float32)}
+    start = {"trace": {"w": np.array([3.0, 1.0, -1.0, 2.0], np.float32)}}
+    _, whole_state = outer_step(tx, g0, start, {"w": np.zeros(4, np.float32)})
+    values, state = g0, start
+    for _ in range(4):
+        values, state = outer_step(tx, values, state, {"w": np.zeros(4, np.float32)}, None, 0.25)
+    np.testing.assert_allclose(state["trace"]["w"], whole_state["trace"]["w"], rtol=1e-6)
+    plain = make_outer_optimizer(OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=nesterov))
+    zero = init_outer_state(plain, g0)
+    one, _ = outer_step(plain, g0, zero, grad)
+    values, state = g0, zero
+    for _ in range(4):
+        values, state = outer_step(plain, values, state, grad, None, 0.25)
+    np.testing.assert_allclose(values["w"], one["w"], rtol=1e-6)
+    # with momentum, from rest: a whole step against four quarters, in the same direction
+    fresh = init_outer_state(tx, g0)
+    one, one_state = outer_step(tx, g0, fresh, grad)
+    values, state = g0, fresh
+    for _ in range(4):
+        values, state = outer_step(tx, values, state, grad, None, 0.25)
+    np.testing.assert_allclose(state["trace"]["w"], one_state["trace"]["w"], rtol=1e-5)
+    ratio = values["w"][:3] / one["w"][:3]
+    assert np.allclose(ratio, ratio[0]) and 0.6 < ratio[0] < 1, ratio

@@ -1,0 +1,259 @@
+"""Quality at a horizon DiLoCo is meant for (issue 11 item 2): over 100 outer steps per
+fragment, 3 seeds per variant (mean and spread), M = 2, 4 and 8, and a short outer-optimizer
+sweep, on the in-process reference run (deterministic for a seed).
+
+The setting is `jobs/reference.yaml` (P = H = 24, tau = 2, heterogeneous learners) with a
+smaller model and batch, so that a run has about 104 outer steps per fragment on 2 cores: a
+3-layer, 64-wide model on sequences of 32 bytes, a global batch of 32 sequences split over the
+M learners (8 each for M = 4; every other learner 18% slower, all with 10% jitter), 2.56M
+tokens (2,500 inner steps per learner for M = 4). Data-parallel takes the same global batch.
+
+    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~70 min)
+    python benchmarks/quality_horizon.py --quick    # tiny model, smoke check
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Any
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from ray_diloco.config import RunConfig, build_config, load_config
+from ray_diloco.report import save_figure
+from ray_diloco.tasks.byte_lm import ByteLMArgs
+
+from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
+
+HORIZON = [
+    "task_args.model.d_model=64",
+    "task_args.model.num_layers=3",
+    "task_args.model.d_ff=256",
+    "task_args.model.seq_len=32",
+    "token_budget=2560000",
+]
+QUICK = [*QUICK_MODEL, "token_budget=30000"]
+GLOBAL_BATCH = 32
+SEEDS = (0, 1, 2)
+# As in quality.py: algorithm.md as written (the defaults); each variant names its change.
+AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full"]
+DEFAULT = "decoupled K=1 grace"
+BEST_2M = "decoupled K=1 grace, contributors, share step"
+# name -> (overrides, learners, seeds)
+VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
+    "data_parallel": (["diloco.mode=data_parallel"], 4, SEEDS),
+    "synchronous": (["diloco.mode=synchronous"], 4, SEEDS),
+    "decoupled K=M": (["diloco.quorum_min=4"], 4, SEEDS),
+    "decoupled K=1 no grace": (["diloco.grace_fraction=0"], 4, SEEDS),
+    DEFAULT: ([], 4, SEEDS),
+    BEST_2M: (["diloco.publish_to=contributors", "diloco.round_step=share"], 4, SEEDS),
+    # A round as a fraction of an outer step, momentum included (round_step: fraction).
+    "decoupled K=1 grace, fraction step": (["diloco.round_step=fraction"], 4, SEEDS),
+    "decoupled K=1 grace, contributors, fraction step": (
+        ["diloco.publish_to=contributors", "diloco.round_step=fraction"],
+        4,
+        SEEDS,
+    ),
+    "decoupled K=1 no grace, contributors, fraction step": (
+        ["diloco.grace_fraction=0", "diloco.publish_to=contributors", "diloco.round_step=fraction"],
+        4,
+        (0,),
+    ),
+    "decoupled K=1 grace, mean merge": (["diloco.merge=mean"], 4, (0,)),
+    "decoupled K=1 grace, M=2": ([], 2, (0,)),
+    "decoupled K=1 grace, M=8": ([], 8, (0,)),
+}
+# The outer optimizer around the paper's (lr 0.7, Nesterov 0.9: the default row), M = 4.
+SWEEP: dict[str, list[str]] = {
+    f"{DEFAULT}, outer lr {lr}, momentum {m}": [f"outer.lr={lr}", f"outer.momentum={m}"]
+    for lr, m in ((1.0, 0.9), (0.5, 0.9), (0.7, 0.5), (1.0, 0.5))
+}
+
+
+def learners(num: int) -> list[dict[str, Any]]:
+    """M learners sharing the global batch; every other one 18% slower, all with jitter."""
+    return [
+        {
+            "name": f"learner-{i}",
+            "batch_size": GLOBAL_BATCH // num,
+            "jitter": 0.1,
+            **({"speed": 0.82} if i % 2 else {}),
+        }
+        for i in range(num)
+    ]
+
+
+def horizon_config(overrides: list[str], num: int, seed: int, quick: bool) -> RunConfig:
+    base = QUICK if quick else HORIZON
+    run_dir = f"run_dir=/tmp/quality_horizon/{num}-{seed}-{'-'.join(overrides) or 'default'}"
+    cfg = load_config(REFERENCE, [*base, *AS_WRITTEN, *overrides, f"seed={seed}", run_dir])
+    tree = cfg.model_dump(mode="json")
+    tree["learners"] = learners(num)
+    return build_config(tree, f"{REFERENCE.name} with {num} learners")
+
+
+def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
+    from ray_diloco.sim.simulate import run_reference
+
+    name, overrides, num, seed, quick = job
+    cache_compilations()
+    cfg = horizon_config(overrides, num, seed, quick)
+    t0 = time.perf_counter()
+    s = run_reference(cfg)
+    # Steps of the fastest learner (data-parallel: its one learner, the whole global batch).
+    per_learner = s.get("learners", {}).values()
+    seq_len = ByteLMArgs(**cfg.task_args).model.seq_len
+    whole = s["tokens"] / (GLOBAL_BATCH * seq_len)
+    steps = max((r["inner_steps"] for r in per_learner), default=whole)
+    d = cfg.diloco
+    return {
+        "variant": name,
+        "seed": seed,
+        "learners": num,
+        "heldout_loss": s["heldout_loss"],
+        "tokens": s["tokens"],
+        "inner_steps_per_learner": steps,
+        "outer_steps_per_fragment": steps / d.sync_every,
+        "rounds": s.get("rounds", 0),
+        "mean_contributors": s.get("mean_contributors", 0.0),
+        "refused": s.get("rejected", {}),
+        "bytes_per_token": s["bytes_per_token"],
+        "wall_s": time.perf_counter() - t0,
+        "evals": s["evals"],
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per variant: mean held-out loss over its seeds, spread (max - min), against
+    data-parallel's and synchronous DiLoCo's means."""
+    rows = []
+    for name in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == name]
+        losses = [r["heldout_loss"] for r in mine]
+        refused: dict[str, int] = {}
+        for r in mine:
+            for reason, n in r["refused"].items():
+                refused[reason] = refused.get(reason, 0) + n
+        rows.append(
+            {
+                "variant": name,
+                "learners": mine[0]["learners"],
+                "seeds": len(mine),
+                "heldout_loss": statistics.fmean(losses),
+                "spread": max(losses) - min(losses),
+                "losses": losses,
+                "outer_steps_per_fragment": mine[0]["outer_steps_per_fragment"],
+                "rounds": statistics.fmean(r["rounds"] for r in mine),
+                "mean_contributors": statistics.fmean(r["mean_contributors"] for r in mine),
+                "refused": refused,
+                "bytes_per_token": statistics.fmean(r["bytes_per_token"] for r in mine),
+                "wall_s": statistics.fmean(r["wall_s"] for r in mine),
+            }
+        )
+    means = {r["variant"]: r["heldout_loss"] for r in rows}
+    for r in rows:
+        for ref, key in (("data_parallel", "vs_data_parallel"), ("synchronous", "vs_synchronous")):
+            r[key] = r["heldout_loss"] / means[ref] - 1 if ref in means else None
+    return rows
+
+
+def plot(runs: list[dict[str, Any]], rows: list[dict[str, Any]], path: Any) -> None:
+    """Seed 0 of every variant over the run (left) and the last third zoomed (right)."""
+    fig = Figure(figsize=(15, 5.2))
+    whole, tail, key = fig.subplots(1, 3, width_ratios=[1, 1, 0.8])
+    colours = matplotlib.colormaps["tab10"].colors
+    styles = ["-", "--", ":"]
+    firsts = [next(r for r in runs if r["variant"] == row["variant"]) for row in rows]
+    for i, r in enumerate(firsts):
+        tokens = [e["tokens"] / 1e6 for e in r["evals"]]
+        losses = [e["heldout_loss"] for e in r["evals"]]
+        look = {"color": colours[i % 10], "linestyle": styles[i // 10 % 3], "linewidth": 1.4}
+        whole.plot(tokens, losses, **look)
+        tail.plot(tokens, losses, label=f"{r['variant']} (seed {r['seed']})", **look)
+    ends = sorted(r["heldout_loss"] for r in firsts)
+    end = max(e["tokens"] for r in firsts for e in r["evals"]) / 1e6
+    tail.set_xlim(end * 2 / 3, end * 1.01)
+    tail.set_ylim(ends[0] - 0.05, ends[-1] + 0.1)
+    whole.set_title("whole run")
+    tail.set_title("last third, zoomed")
+    for ax in (whole, tail):
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("held-out loss (global parameters)")
+        ax.grid(alpha=0.3)
+    key.axis("off")
+    key.legend(*tail.get_legend_handles_labels(), loc="center left", fontsize=8)
+    save_figure(fig, path, dpi=110)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    p.add_argument("--only", nargs="*", help="subset of variants (sweep rows included)")
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the runs already in the JSON (of the variants not run now) and add these",
+    )
+    args = p.parse_args()
+    chosen = {n: v for n, v in VARIANTS.items() if not args.only or n in args.only}
+    chosen |= {n: (o, 4, (0,)) for n, o in SWEEP.items() if not args.only or n in args.only}
+    seeds = lambda s: s[:1] if args.quick else s  # noqa: E731
+    # Seed 0 of every variant first, so a run stopped early still compares them all.
+    jobs = sorted(
+        ((n, o, m, s, args.quick) for n, (o, m, ss) in chosen.items() for s in seeds(ss)),
+        key=lambda j: j[3],
+    )
+    runs = []
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        for r in pool.map(run_one, jobs):
+            runs.append(r)
+            print(
+                f"{r['variant']} (seed {r['seed']}): held-out {r['heldout_loss']:.4f}, "
+                f"{r['outer_steps_per_fragment']:.0f} outer steps per fragment, refused "
+                f"{sum(r['refused'].values())} ({r['wall_s']:.0f}s)",
+                flush=True,
+            )
+    name = "quality_horizon-quick" if args.quick else "quality_horizon"
+    if args.add and (args.out / f"{name}.json").exists():
+        kept = json.loads((args.out / f"{name}.json").read_text())["meta"]["runs"]
+        runs = [r for r in kept if r["variant"] not in chosen] + runs
+        order = [*VARIANTS, *SWEEP]  # the table in the order the variants are declared
+        runs.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
+    rows = summarize(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(runs, rows, args.out / f"{name}.png")
+    columns = [
+        "variant",
+        "learners",
+        "seeds",
+        "heldout_loss",
+        "spread",
+        "vs_data_parallel",
+        "vs_synchronous",
+        "outer_steps_per_fragment",
+        "mean_contributors",
+        "bytes_per_token",
+    ]
+    write_results(
+        args.out,
+        name,
+        rows,
+        columns,
+        {
+            "config": REFERENCE.name,
+            "setting": HORIZON,
+            "global_batch": GLOBAL_BATCH,
+            "quick": args.quick,
+            "jobs": args.jobs,
+            "runs": runs,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
