@@ -67,7 +67,9 @@ def quality_horizon(data: dict[str, Any]) -> str:
             "spread": _num(r["spread"]) if r["seeds"] > 1 else "-",
             "vs data-parallel": _pct(r["vs_data_parallel"]),
             "vs synchronous": _pct(r["vs_synchronous"]),
-            "outer steps / fragment": f"{r['outer_steps_per_fragment']:.0f}" if r["rounds"] else "-",
+            "outer steps / fragment": (
+                f"{r['outer_steps_per_fragment']:.0f}" if r["rounds"] else "-"
+            ),
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
             "refused": refused(r["refused"]),
         }
