@@ -61,3 +61,39 @@ def write_results(
         f"Date: {meta['date']}\n\n{table}\n"
     )
     return md
+
+
+def plot_loss_curves(
+    curves: list[tuple[str, list[dict[str, float]]]], path: Path, zoom_from: float = 0.5
+) -> None:
+    """Held-out loss over tokens: whole runs on the left, the part from `zoom_from` of the run
+    on zoomed on the right (where variants part), one legend for both beside them; up to 40
+    curves get their own look (colour x line style). A diverged curve leaves the zoom's top."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    from ray_diloco.report import save_figure
+
+    fig = Figure(figsize=(15, 5.2))
+    whole, tail, key = fig.subplots(1, 3, width_ratios=[1, 1, 0.8])
+    colours = matplotlib.colormaps["tab10"].colors
+    styles = ["-", "--", ":", "-."]
+    for i, (label, evals) in enumerate(curves):
+        tokens = [e["tokens"] / 1e6 for e in evals]
+        losses = [e["heldout_loss"] for e in evals]
+        look = {"color": colours[i % 10], "linestyle": styles[i // 10 % 4], "linewidth": 1.4}
+        whole.plot(tokens, losses, **look)
+        tail.plot(tokens, losses, label=label, **look)
+    ends = sorted(evals[-1]["heldout_loss"] for _, evals in curves)
+    end = max(e["tokens"] for _, evals in curves for e in evals) / 1e6
+    tail.set_xlim(end * zoom_from, None)
+    tail.set_ylim(ends[0] - 0.05, ends[len(ends) * 3 // 4] + 0.15)
+    whole.set_title("whole run")
+    tail.set_title(f"from {zoom_from:.0%} of the run, zoomed")
+    for ax in (whole, tail):
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("held-out loss (global parameters)")
+        ax.grid(alpha=0.3)
+    key.axis("off")
+    key.legend(*tail.get_legend_handles_labels(), loc="center left", fontsize=8)
+    save_figure(fig, path, dpi=110)

@@ -12,17 +12,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any
 
-import matplotlib
-from matplotlib.figure import Figure
-
 from ray_diloco.config import load_config
-from ray_diloco.report import save_figure
 from ray_diloco.sim.simulate import run_reference
 
-from common import QUICK_MODEL, REFERENCE, parser, write_results
+from common import QUICK_MODEL, REFERENCE, parser, plot_loss_curves, write_results
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
@@ -95,34 +90,6 @@ def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
     }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Whole runs on the left, the second half zoomed on the right (where the variants part),
-    one legend for both beside them: 17 curves need 17 looks (colour x line style)."""
-    fig = Figure(figsize=(15, 5.2))
-    whole, tail, key = fig.subplots(1, 3, width_ratios=[1, 1, 0.8])
-    colours = matplotlib.colormaps["tab10"].colors
-    styles = ["-", "--", ":", "-."]
-    for i, r in enumerate(rows):
-        tokens = [e["tokens"] / 1e6 for e in r["evals"]]
-        losses = [e["heldout_loss"] for e in r["evals"]]
-        look = {"color": colours[i % 10], "linestyle": styles[i // 10 % 4], "linewidth": 1.4}
-        whole.plot(tokens, losses, **look)
-        tail.plot(tokens, losses, label=r["variant"], **look)
-    ends = sorted(r["heldout_loss"] for r in rows)
-    half = max(e["tokens"] for r in rows for e in r["evals"]) / 2e6
-    tail.set_xlim(half, None)
-    tail.set_ylim(ends[0] - 0.05, ends[len(ends) * 3 // 4] + 0.15)  # a diverged run: off the top
-    whole.set_title("whole run")
-    tail.set_title("second half, zoomed")
-    for ax in (whole, tail):
-        ax.set_xlabel("tokens (millions)")
-        ax.set_ylabel("held-out loss (global parameters)")
-        ax.grid(alpha=0.3)
-    key.axis("off")
-    key.legend(*tail.get_legend_handles_labels(), loc="center left", fontsize=8)
-    save_figure(fig, path, dpi=110)
-
-
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="subset of variants")
@@ -146,7 +113,7 @@ def main() -> None:
         r["vs_data_parallel"] = (r["heldout_loss"] / dp - 1) if dp else None
     name = "quality-quick" if args.quick else "quality"
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out / f"{name}.png")
+    plot_loss_curves([(r["variant"], r["evals"]) for r in rows], args.out / f"{name}.png")
     columns = [
         "variant",
         "heldout_loss",

@@ -21,14 +21,17 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
-import matplotlib
-from matplotlib.figure import Figure
-
 from ray_diloco.config import RunConfig, build_config, load_config
-from ray_diloco.report import save_figure
 from ray_diloco.tasks.byte_lm import ByteLMArgs
 
-from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
+from common import (
+    QUICK_MODEL,
+    REFERENCE,
+    cache_compilations,
+    parser,
+    plot_loss_curves,
+    write_results,
+)
 
 HORIZON = [
     "task_args.model.d_model=64",
@@ -61,6 +64,15 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     ),
     "decoupled K=1 no grace, contributors, fraction step": (
         ["diloco.grace_fraction=0", "diloco.publish_to=contributors", "diloco.round_step=fraction"],
+        4,
+        (0,),
+    ),
+    "decoupled K=1 grace, contributors, base anchor, fraction step": (
+        [
+            "diloco.publish_to=contributors",
+            "diloco.outer_anchor=base",
+            "diloco.round_step=fraction",
+        ],
         4,
         (0,),
     ),
@@ -162,34 +174,6 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(runs: list[dict[str, Any]], rows: list[dict[str, Any]], path: Any) -> None:
-    """Seed 0 of every variant over the run (left) and the last third zoomed (right)."""
-    fig = Figure(figsize=(15, 5.2))
-    whole, tail, key = fig.subplots(1, 3, width_ratios=[1, 1, 0.8])
-    colours = matplotlib.colormaps["tab10"].colors
-    styles = ["-", "--", ":"]
-    firsts = [next(r for r in runs if r["variant"] == row["variant"]) for row in rows]
-    for i, r in enumerate(firsts):
-        tokens = [e["tokens"] / 1e6 for e in r["evals"]]
-        losses = [e["heldout_loss"] for e in r["evals"]]
-        look = {"color": colours[i % 10], "linestyle": styles[i // 10 % 3], "linewidth": 1.4}
-        whole.plot(tokens, losses, **look)
-        tail.plot(tokens, losses, label=f"{r['variant']} (seed {r['seed']})", **look)
-    ends = sorted(r["heldout_loss"] for r in firsts)
-    end = max(e["tokens"] for r in firsts for e in r["evals"]) / 1e6
-    tail.set_xlim(end * 2 / 3, end * 1.01)
-    tail.set_ylim(ends[0] - 0.05, ends[-1] + 0.1)
-    whole.set_title("whole run")
-    tail.set_title("last third, zoomed")
-    for ax in (whole, tail):
-        ax.set_xlabel("tokens (millions)")
-        ax.set_ylabel("held-out loss (global parameters)")
-        ax.grid(alpha=0.3)
-    key.axis("off")
-    key.legend(*tail.get_legend_handles_labels(), loc="center left", fontsize=8)
-    save_figure(fig, path, dpi=110)
-
-
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
@@ -226,7 +210,10 @@ def main() -> None:
         runs.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
     rows = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(runs, rows, args.out / f"{name}.png")
+    # Seed 0 of every variant, the last third zoomed.
+    firsts = [next(r for r in runs if r["variant"] == row["variant"]) for row in rows]
+    curves = [(f"{r['variant']} (seed {r['seed']})", r["evals"]) for r in firsts]
+    plot_loss_curves(curves, args.out / f"{name}.png", zoom_from=2 / 3)
     columns = [
         "variant",
         "learners",
