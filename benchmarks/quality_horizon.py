@@ -76,6 +76,31 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         4,
         (0,),
     ),
+    # A learner's unsent work carried onto a new version instead of overwritten.
+    "synchronous, keep unsent work": (
+        ["diloco.mode=synchronous", "diloco.keep_unsent_work=true"],
+        4,
+        (0,),
+    ),
+    "decoupled K=1 grace, keep unsent work, fraction step": (
+        ["diloco.keep_unsent_work=true", "diloco.round_step=fraction"],
+        4,
+        SEEDS,
+    ),
+    "decoupled K=1 grace, keep unsent work, base anchor, fraction step": (
+        ["diloco.keep_unsent_work=true", "diloco.outer_anchor=base", "diloco.round_step=fraction"],
+        4,
+        (0,),
+    ),
+    "decoupled K=1 grace, contributors, keep unsent work, fraction step": (
+        [
+            "diloco.publish_to=contributors",
+            "diloco.keep_unsent_work=true",
+            "diloco.round_step=fraction",
+        ],
+        4,
+        (0,),
+    ),
     "decoupled K=1 grace, mean merge": (["diloco.merge=mean"], 4, (0,)),
     "decoupled K=1 grace, M=2": ([], 2, (0,)),
     "decoupled K=1 grace, M=8": ([], 8, (0,)),
@@ -181,15 +206,26 @@ def main() -> None:
     p.add_argument(
         "--add",
         action="store_true",
-        help="keep the runs already in the JSON (of the variants not run now) and add these",
+        help="keep the runs already in the JSON and run only the (variant, seed) pairs missing",
     )
+    p.add_argument("--seeds", type=int, help="at most this many seeds per variant (the first)")
     args = p.parse_args()
     chosen = {n: v for n, v in VARIANTS.items() if not args.only or n in args.only}
     chosen |= {n: (o, 4, (0,)) for n, o in SWEEP.items() if not args.only or n in args.only}
-    seeds = lambda s: s[:1] if args.quick else s  # noqa: E731
+    name = "quality_horizon-quick" if args.quick else "quality_horizon"
+    kept: list[dict[str, Any]] = []
+    if args.add and (args.out / f"{name}.json").exists():
+        kept = json.loads((args.out / f"{name}.json").read_text())["meta"]["runs"]
+    done = {(r["variant"], r["seed"]) for r in kept}
+    limit = 1 if args.quick else args.seeds
     # Seed 0 of every variant first, so a run stopped early still compares them all.
     jobs = sorted(
-        ((n, o, m, s, args.quick) for n, (o, m, ss) in chosen.items() for s in seeds(ss)),
+        (
+            (n, o, m, s, args.quick)
+            for n, (o, m, ss) in chosen.items()
+            for s in ss[:limit]
+            if (n, s) not in done
+        ),
         key=lambda j: j[3],
     )
     runs = []
@@ -202,12 +238,14 @@ def main() -> None:
                 f"{sum(r['refused'].values())} ({r['wall_s']:.0f}s)",
                 flush=True,
             )
-    name = "quality_horizon-quick" if args.quick else "quality_horizon"
-    if args.add and (args.out / f"{name}.json").exists():
-        kept = json.loads((args.out / f"{name}.json").read_text())["meta"]["runs"]
-        runs = [r for r in kept if r["variant"] not in chosen] + runs
-        order = [*VARIANTS, *SWEEP]  # the table in the order the variants are declared
-        runs.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
+    order = [*VARIANTS, *SWEEP]  # the table in the order the variants are declared
+    runs = sorted(
+        kept + runs,
+        key=lambda r: (
+            order.index(r["variant"]) if r["variant"] in order else len(order),
+            r["seed"],
+        ),
+    )
     rows = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     # Seed 0 of every variant, the last third zoomed.

@@ -170,6 +170,9 @@ class LearnerCore:
         self.tokens_since = [0] * num_fragments
         self.params: dict[str, jax.Array] = {}
         self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
+        # p -> the last offer since the base was received: (steps and tokens since the base
+        # then, theta); what of the local work is unsent (`diloco.keep_unsent_work`).
+        self.last_offer: dict[int, tuple[int, int, dict[str, np.ndarray]]] = {}
         # Differences whose base version has not arrived yet: p -> base -> message.
         self.waiting: list[dict[int, Message]] = [{} for _ in range(num_fragments)]
         self.full_dtype = downstream.full_dtype(cfg.diloco)
@@ -267,10 +270,27 @@ class LearnerCore:
                 continue
             del self.inbox[p]
             if version > self.base_version[p]:
-                self._overwrite(p, version, values, alpha=self.cfg.diloco.mixing_alpha)
+                if self.cfg.diloco.keep_unsent_work:
+                    self._carry_over(p, version, values)
+                else:
+                    self._overwrite(p, version, values, alpha=self.cfg.diloco.mixing_alpha)
                 self.outstanding.pop(p, None)
                 applied.append(p)
         return applied
+
+    def _carry_over(self, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
+        """Adopt `version` of fragment p with this learner's unsent work on it carried over:
+        params = G + (params - theta at the last offer since the base; the base itself when
+        none), and the counters of that work only."""
+        offer = self.last_offer.get(p)
+        ref = offer[2] if offer is not None else self.base_values[p]
+        steps = self.steps_since[p] - (offer[0] if offer is not None else 0)
+        tokens = self.tokens_since[p] - (offer[1] if offer is not None else 0)
+        work = {k: np.asarray(self.params[k], np.float32) - ref[k] for k in ref}
+        self._overwrite(p, version, values, alpha=0.0)
+        for k, w in work.items():
+            self.params[k] = self.params[k] + self.layout.param(w.astype(self.tree.dtypes[k]))
+        self.steps_since[p], self.tokens_since[p] = steps, tokens
 
     def _overwrite(
         self, p: int, version: int, values: Mapping[str, np.ndarray], alpha: float
@@ -287,6 +307,7 @@ class LearnerCore:
         self.base_version[p] = version
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self.last_offer.pop(p, None)
         if self.waiting[p]:
             self._resolve(p)
 
@@ -343,7 +364,8 @@ class LearnerCore:
     def _offer(self, p: int) -> tuple[ContributionMeta, dict[str, wire.Encoded]] | None:
         d = self.cfg.diloco
         base = self.base_values[p]
-        delta = {k: np.asarray(self.params[k], np.float32) - base[k] for k in base}
+        theta = {k: np.asarray(self.params[k], np.float32) for k in base}
+        delta = {k: theta[k] - base[k] for k in base}
         meta = ContributionMeta(
             learner=self.name,
             incarnation=self.incarnation,
@@ -357,4 +379,6 @@ class LearnerCore:
             logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
             return None
         self.outstanding[p] = (self.step, self.base_version[p])
+        if d.keep_unsent_work:
+            self.last_offer[p] = (self.steps_since[p], self.tokens_since[p], theta)
         return meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)

@@ -48,6 +48,12 @@ class DilocoConfig(_Frozen):
     grace_max_s: float = Field(5.0, ge=0)
     merge: Literal["rda", "mean"] = "rda"
     mixing_alpha: float = Field(0.0, ge=0, lt=1)
+    # What a learner does with its unsent work on a fragment (the steps since it last offered
+    # it) when a new version arrives. False: the new version overwrites it (algorithm.md
+    # section 4). True: it is carried onto the new version, params = G + (params - theta at
+    # the last offer), and counted in the next offer; with K = 1 and publish_to all, the
+    # overwrite discarded half of all learner steps (benchmarks/quality_horizon.py).
+    keep_unsent_work: bool = False
     late_policy: Literal["next_round", "drop"] = "next_round"
     # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).
     # "contributors": only the learners whose contributions the round merged (one version back

@@ -1,0 +1,76 @@
+"""`diloco.keep_unsent_work`: a learner carries its unsent work on a fragment (the steps since
+it last offered it) onto a new version instead of losing it to the overwrite
+(LearnerCore.apply_received)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_diloco.algorithm import wire
+from ray_diloco.algorithm.downstream import Message
+from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.setup import Setup
+from ray_diloco.config import load_config
+from tests.sync_helpers import TINY
+
+
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    return Setup.build(load_config(None, [*TINY, "diloco.keep_unsent_work=true"]))
+
+
+def _learner(setup: Setup, keep: bool) -> LearnerCore:
+    cfg = load_config(None, [*TINY, f"diloco.keep_unsent_work={keep}"])
+    snapshot = {
+        p: (0, {k: np.asarray(setup.init[k], np.float32) for k in paths})
+        for p, paths in enumerate(setup.plan.fragments)
+    }
+    return LearnerCore(cfg, cfg.learners[0], setup.task, setup.layout, setup.plan, snapshot)
+
+
+def _train(core: LearnerCore, steps: int) -> None:
+    for _ in range(steps):
+        core.train_step(*core.next_batch())
+
+
+def _publish(core: LearnerCore, p: int, version: int, shift: float) -> dict[str, np.ndarray]:
+    """Version `version` of fragment p: the base moved by `shift` (bfloat16-exact)."""
+    g = {k: (core.base_values[p][k] + shift).astype(np.float32) for k in core.base_values[p]}
+    g = wire.decode_tree(wire.encode_tree(g, "bfloat16"))
+    core.receive(Message(p, version, None, wire.encode_tree(g, "bfloat16")))
+    assert core.apply_received() == [p]
+    return g
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_steps_since_the_last_offer_move_onto_the_new_version(setup: Setup, keep: bool):
+    core = _learner(setup, keep)
+    _train(core, 4)  # TINY: H = 4, P = 2: fragment 0 is offered at step 4
+    offered = {p: (meta, delta) for meta, delta in core.offers() for p in [meta.fragment]}
+    p = next(iter(offered))
+    theta = {k: np.asarray(core.params[k], np.float32) for k in setup.plan.fragments[p]}
+    _train(core, 3)  # unsent: three steps past the offer
+    before = {k: np.asarray(core.params[k], np.float32) for k in theta}
+    g = _publish(core, p, 1, 0.5)
+    for k in theta:
+        expected = g[k] + (before[k] - theta[k]) if keep else g[k]
+        np.testing.assert_allclose(np.asarray(core.params[k]), expected, rtol=1e-6, atol=1e-6)
+    assert core.steps_since[p] == (3 if keep else 0)
+    assert core.tokens_since[p] == (3 * core.tokens_per_step if keep else 0)
+    # The next offer carries that work, against the new version.
+    _train(core, 1)
+    meta, delta = core._offer(p)
+    assert meta.base_version == 1 and meta.num_steps == (4 if keep else 1)
+
+
+def test_with_no_offer_since_the_base_all_the_work_moves(setup: Setup):
+    core = _learner(setup, True)
+    _train(core, 2)  # nothing offered yet (fragments are due at steps 2 and 4)
+    p = next(q for q in range(setup.plan.num_fragments) if q not in core.outstanding)
+    before = {k: np.asarray(core.params[k], np.float32) for k in setup.plan.fragments[p]}
+    base = core.base_values[p]
+    g = _publish(core, p, 1, -0.25)
+    for k, b in before.items():
+        np.testing.assert_allclose(np.asarray(core.params[k]), g[k] + (b - base[k]), atol=1e-6)
+    assert core.steps_since[p] == 2
