@@ -19,6 +19,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import RunConfig, build_config, load_config
@@ -209,13 +210,23 @@ def main() -> None:
         help="keep the runs already in the JSON and run only the (variant, seed) pairs missing",
     )
     p.add_argument("--seeds", type=int, help="at most this many seeds per variant (the first)")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="results JSONs of other runs of this benchmark to take runs from, as with --add",
+    )
     args = p.parse_args()
     chosen = {n: v for n, v in VARIANTS.items() if not args.only or n in args.only}
     chosen |= {n: (o, 4, (0,)) for n, o in SWEEP.items() if not args.only or n in args.only}
     name = "quality_horizon-quick" if args.quick else "quality_horizon"
+    sources = [*args.merge, *([args.out / f"{name}.json"] if args.add else [])]
     kept: list[dict[str, Any]] = []
-    if args.add and (args.out / f"{name}.json").exists():
-        kept = json.loads((args.out / f"{name}.json").read_text())["meta"]["runs"]
+    for src in (s for s in sources if s.exists()):
+        have = {(r["variant"], r["seed"]) for r in kept}
+        runs = json.loads(src.read_text())["meta"]["runs"]
+        kept += [r for r in runs if (r["variant"], r["seed"]) not in have]
     done = {(r["variant"], r["seed"]) for r in kept}
     limit = 1 if args.quick else args.seeds
     # Seed 0 of every variant first, so a run stopped early still compares them all.
