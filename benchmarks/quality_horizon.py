@@ -103,6 +103,7 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         (0,),
     ),
     "decoupled K=1 grace, mean merge": (["diloco.merge=mean"], 4, (0,)),
+    "decoupled, M=1": ([], 1, (0,)),  # DiLoCo itself, without several learners
     "decoupled K=1 grace, M=2": ([], 2, (0,)),
     "decoupled K=1 grace, M=8": ([], 8, (0,)),
 }
