@@ -76,4 +76,4 @@ def test_readme_results_are_generated_from_the_json():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert (ROOT / "README.md").read_text().count("<!-- results:") == 12
+    assert (ROOT / "README.md").read_text().count("<!-- results:") == 13
