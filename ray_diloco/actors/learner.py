@@ -279,13 +279,16 @@ class LearnerHost:
         blocked_since: float | None = None
         while True:
             with self._cond:
-                items, self._incoming = self._incoming, []
+                msgs, self._incoming = self._incoming, []
                 stop = self._stop.is_set()
+            for msg in msgs:  # resolved into the inbox (a difference against what it holds)
+                core.receive(msg)
+            # Every host applies host 0's inbox: hosts see arrivals at different moments.
+            held = [(p, v, values) for p, (v, values) in sorted(core.inbox.items())]
             leases = channel.take_leases() if channel is not None else []
-            items, stop, leases = link.share_step(items, stop, leases)
+            held, stop, leases = link.share_step(held, stop, leases)
+            core.inbox = {p: (v, values) for p, v, values in held}
             core.reader.add([Lease(*lease) for lease in leases])
-            for item in items:
-                core.receive(item)
             core.apply_received()
             if stop:
                 return False
