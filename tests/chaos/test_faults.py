@@ -44,7 +44,10 @@ pytestmark = pytest.mark.chaos
 # Token budgets: about 11 s of training at a fifth of the compute speed with 2 learners; more
 # where the recovery takes longer (a multi-host group, the synchronizer) or faults are many.
 BUDGET = 72_000
-MULTI_BUDGET = 128_000
+# The two-host group's restart is a boot and a compile of two processes: in a clean-clone CI
+# run on 2026-11-26 (a slower day: every slow test 40-50% above the last landing's), 26 s
+# starting and over 27 s compiling, while `eu` alone spent 128k tokens in 62 s.
+MULTI_BUDGET = 192_000
 SYNC_BUDGET = 144_000
 STORM_BUDGET = 240_000
 EU = REGIONS["eu"]
