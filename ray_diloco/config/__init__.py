@@ -9,6 +9,7 @@ YAML scalars). Errors name the field and the fix; nothing here imports jax or ra
 """
 
 from ray_diloco.config.base import ConfigError, WireDtype
+from ray_diloco.config.diloco import DilocoConfig, Mode
 from ray_diloco.config.files import (
     add_config_args,
     apply_overrides,
@@ -26,7 +27,6 @@ from ray_diloco.config.schema import (
     ChaosConfig,
     CheckpointConfig,
     ClusterConfig,
-    DilocoConfig,
     ElasticConfig,
     FaultKind,
     InnerOptimizerConfig,
@@ -34,7 +34,6 @@ from ray_diloco.config.schema import (
     LinkConfig,
     MembershipChange,
     MetricsConfig,
-    Mode,
     OuterOptimizerConfig,
     RunConfig,
     ScheduledFault,

@@ -1,0 +1,69 @@
+"""The method's section of the run config (`diloco:`): modes, the sync schedule, quorum and
+grace, the merge, and the outer-step and publication options (algorithm.md sections 3-7)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ray_diloco.config.base import WireDtype, _Frozen
+
+Mode = Literal["decoupled", "synchronous", "data_parallel"]
+
+
+class DilocoConfig(_Frozen):
+    """The method's knobs; names follow algorithm.md."""
+
+    mode: Mode = "decoupled"
+    sync_every: int = Field(24, ge=1, description="H: inner steps between two syncs of a fragment")
+    num_fragments: int = Field(24, ge=1, description="P")
+    overlap_steps: int = Field(2, ge=0, description="tau")
+    quorum_min: int = Field(1, ge=1, description="K")
+    grace_fraction: float = Field(0.5, ge=0, lt=1, description="gamma")
+    grace_max_s: float = Field(5.0, ge=0)
+    merge: Literal["rda", "mean"] = "rda"
+    mixing_alpha: float = Field(0.0, ge=0, lt=1)
+    # What a learner does with its unsent work on a fragment (the steps since it last offered
+    # it) when a new version arrives. False: the new version overwrites it (algorithm.md
+    # section 4). True: it is carried onto the new version, params = G + (params - theta at
+    # the last offer), and counted in the next offer; with K = 1 and publish_to all, the
+    # overwrite discarded half of all learner steps (benchmarks/quality_horizon.py).
+    keep_unsent_work: bool = False
+    late_policy: Literal["next_round", "drop"] = "next_round"
+    # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).
+    # "contributors": only the learners whose contributions the round merged (one version back
+    # per contribution, as in Streaming DiLoCo), so no learner's local progress on a fragment
+    # is overwritten by rounds it took no part in, and fewer bytes move down; a learner whose
+    # contribution is refused gets the newest version at once. With full-size one-learner
+    # rounds its stale bases pulled G back (K = 1 without grace diverged); with the share step
+    # it measured the best K = 1 variant in-process (the README's quality table), not yet on
+    # Ray.
+    publish_to: Literal["all", "contributors"] = "all"
+    # Where a contribution's outer gradient is anchored. "current": G - theta, at the
+    # synchronizer's current value (algorithm.md section 6); a stale learner's theta then pulls
+    # G back toward its old base. "base": base - theta, the learner's own update (Streaming
+    # DiLoCo), whatever happened to G since.
+    outer_anchor: Literal["current", "base"] = "current"
+    # How far one round steps. "full": the outer step of the merged gradient, however few
+    # learners it merged (algorithm.md section 6). "share": scaled by the share of the live
+    # learners it merged, so that M one-learner rounds step about as far as one round of all M
+    # (not M times as far). "fraction": the round is that share of an outer step, momentum
+    # included: the momentum also decays by momentum^share, so M one-learner rounds decay it
+    # as one round of all M does (with "share" it decays M times per window).
+    round_step: Literal["full", "share", "fraction"] = "full"
+    staleness_penalty: float = Field(0.0, ge=0)
+    max_staleness_versions: int = Field(4, ge=0)
+    # The norm guard (algorithm.md section 7) refuses a contribution whose own update (its delta
+    # to its base) per inner step is more than `norm_guard` times the median of the fragment's
+    # last 32 accepted ones; it judges updates taken after the inner warm-up (`inner.
+    # warmup_steps`) once the fragment closed `norm_guard_warmup_rounds` rounds.
+    norm_guard: float = Field(10.0, gt=1)
+    norm_guard_warmup_rounds: int = Field(5, ge=0)
+    wire_dtype: WireDtype = "bfloat16"
+    # How a publication goes down. "none": the new value itself, in bfloat16 (float32 when
+    # `wire_dtype` is float32). int8/int4/int2: the quantized difference to the version the
+    # learner holds, with the synchronizer carrying the quantization error into the next one
+    # (algorithm/downstream.py); a learner holding no known version gets the full value.
+    publish_delta: Literal["none", "int8", "int4", "int2"] = "none"
+    int4_block_size: int = Field(64, ge=2, description="elements per scale, int4 and int2")
