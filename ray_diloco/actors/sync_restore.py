@@ -16,13 +16,15 @@ actor: `was_current_actor_reconstructed`) the live learners hold those rounds' v
 registers again stating the newest version it holds, hands over the values the shard wants
 (`provide`), and a fragment is adopted once nothing newer can come: the newest logged round
 was handed over, or every learner of the roster registered again, or `heartbeat_timeout_s`
-passed (a learner silent that long is dead). A resumed run's learners are new processes that
-hold nothing: its fragments are adopted from the checkpoint at once. JAX-free at import.
+passed since the shard began to answer calls (a learner silent that long is dead). A resumed
+run's learners are new processes that hold nothing: its fragments are adopted from the
+checkpoint at once. JAX-free at import.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
@@ -74,12 +76,18 @@ class ShardStore:
         core.start_recovery(self.log.entries(), seen.versions)
         self.awaiting = set(core.book.roster or ()) if restart else set()
         self.announced: dict[int, int] = {}  # the newest version a registered learner holds
-        self.deadline = time.monotonic() + cfg.synchronizer.heartbeat_timeout_s
+        # A resumed run's learners hold nothing newer: nothing to wait for.
+        self.wait_s = cfg.synchronizer.heartbeat_timeout_s if restart else 0.0
+        self.deadline = math.inf  # until `serving`
         if core.recovering:
             self.restored = self.restored or {"versions": {}, "rounds": 0, "restart": restart}
             self.restored.update(recovering=True, time=time.time())
-            if not restart:  # a resumed run's learners hold nothing newer
-                self.deadline = 0.0
+
+    def serving(self) -> None:
+        """The actor answers calls from now on. The live learners have `heartbeat_timeout_s`
+        from here to register again, not from the restore: the rest of the actor's start is
+        no time they could have called in."""
+        self.deadline = time.monotonic() + self.wait_s
 
     def registered(self, learner: str, versions: dict[int, int]) -> None:
         """`learner` registered (again), holding these versions."""

@@ -111,6 +111,8 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         self._init_evaluation()
         self._links = DelayedCalls("publish-links")
         self.deliveries = Deliveries(self._delivered)
+        if self.store is not None:
+            self.store.serving()  # (__init__ returns next: Ray delivers calls from then on)
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
         self._thread.start()
 
@@ -318,8 +320,9 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:
-        """Held-out loss of the global parameters now (recorded in the history); shard 0
-        only (it reads the other shards' fragments)."""
+        """Held-out loss of the global parameters once every fragment is recovered (recorded
+        in the history); shard 0 only (it reads the other shards' fragments)."""
+        self._recovered()
         loss = self._evaluate()
         if loss is None:
             raise RuntimeError("synchronizer: another shard did not hand over its fragments")
@@ -328,6 +331,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
     @ray.method(concurrency_group="control")
     def fragment_values(self) -> tuple[dict[str, Any], int]:
         """This shard's global values and its closed rounds, for shard 0's evaluation."""
+        self._recovered()
         with self._lock:
             return self.core.global_params(), self.rounds()
 

@@ -74,10 +74,11 @@ def tokens_per_step(task: Task, learner: LearnerGroupConfig) -> int:
 
 
 def total_inner_steps(cfg: RunConfig, task: Task) -> int:
-    """Inner steps each learner takes if every learner shares the token budget by batch size;
-    the length of the default learning-rate schedule."""
+    """Inner steps each learner takes if every learner shares the token budget (or
+    `inner.decay_tokens`) by batch size; the length of the default learning-rate schedule."""
     total_batch = sum(lg.batch_size for lg in cfg.learners)
-    return max(1, cfg.token_budget // (total_batch * task.data.tokens_per_example))
+    tokens = cfg.inner.decay_tokens or cfg.token_budget
+    return max(1, tokens // (total_batch * task.data.tokens_per_example))
 
 
 @dataclass

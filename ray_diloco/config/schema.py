@@ -15,7 +15,9 @@ from ray_diloco.config.sims import BandwidthSimConfig, GoodputSimConfig
 
 class InnerOptimizerConfig(_Frozen):
     """The default inner optimizer (a task may bring its own): AdamW with linear warm-up and
-    cosine decay to `final_lr_fraction * lr`."""
+    cosine decay to `final_lr_fraction * lr`. `decay_tokens`: the tokens the schedule decays
+    over (held at its end afterwards); default the token budget. Set it when the budget may
+    grow past the planned run (a run resumed with a larger budget, an open-ended chaos run)."""
 
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
@@ -24,6 +26,7 @@ class InnerOptimizerConfig(_Frozen):
     warmup_steps: int = Field(20, ge=0)
     final_lr_fraction: float = Field(0.1, ge=0, le=1)
     grad_clip_norm: float = Field(1.0, gt=0)
+    decay_tokens: int | None = Field(None, ge=1)
 
 
 class OuterOptimizerConfig(_Frozen):
