@@ -272,9 +272,14 @@ class Supervisor(MembershipDuty):
         self._execute(commands, now)
         self._retire_given_up(now)
         if self.chaos is not None and not self._run_over:
+            # Every learner's first start is over: it trains, or it failed and was restarted
+            # (a first start that never ends is a failure of the startup timeout).
             watches = self.control.watches
-            training = all(watches[n].state is LearnerState.TRAINING for n in self.control.in_run())
-            self.chaos.tick(now, training)
+            started = all(
+                watches[n].state is LearnerState.TRAINING or watches[n].incarnation > 0
+                for n in self.control.in_run()
+            )
+            self.chaos.tick(now, started)
         self._update_snapshot()
         if now - self._exported_at >= self.cfg.metrics.log_every_s:
             self._export_metrics(now)

@@ -125,15 +125,21 @@ class ChaosRun:
 
 
 def run_chaos(cfg: RunConfig) -> ChaosRun:
-    """Run `cfg` until `settled`: its planned budget (`inner.decay_tokens`) is spent and every
-    scheduled fault played out."""
+    """Run `cfg` until its planned budget (`inner.decay_tokens`) is spent and every scheduled
+    fault played out (`settled`), and a quarter of that budget past the moment they had."""
     from ray_diloco.driver import run_training
 
     budget = cfg.inner.decay_tokens or cfg.token_budget
     scheduled = len(cfg.chaos.schedule)
+    end = [budget]
 
     def stop(sup: dict[str, Any]) -> str | None:
-        return SETTLED if settled(sup, budget, scheduled) else None
+        # Once the faults played out, a quarter of the budget more: a recovery that came after
+        # the budget was spent (a synchronizer restart the learners trained through) must
+        # also show the training that follows it.
+        if len(end) == 1 and settled(sup, scheduled):
+            end.append(sup["synchronizer"]["tokens"] + budget // 4)
+        return SETTLED if len(end) == 2 and sup["synchronizer"]["tokens"] >= max(end) else None
 
     started = time.monotonic()
     summary = run_training(cfg, progress=lambda line: None, stop_when=stop)
@@ -142,25 +148,23 @@ def run_chaos(cfg: RunConfig) -> ChaosRun:
     return ChaosRun(cfg, budget, summary, events, outcomes, time.monotonic() - started)
 
 
-def settled(sup: dict[str, Any], budget: int, scheduled: int) -> bool:
-    """From the supervisor's status: `budget` tokens were trained, every one of the `scheduled`
-    faults was injected or skipped (due while its target was down), and each injected one
-    recovered or was superseded (taken down again before it was over)."""
-    if sup["synchronizer"]["tokens"] < budget:
-        return False
+def settled(sup: dict[str, Any], scheduled: int) -> bool:
+    """From the supervisor's status: every one of the `scheduled` faults was injected or
+    skipped (due while its target was down), and each injected one recovered or was
+    superseded (taken down again before it was over)."""
     if sup["chaos"]["injected"] + sup["chaos"]["skipped"] < scheduled:
         return False
     return all(f["recovered_t"] is not None or f["superseded"] for f in sup["faults"])
 
 
-def training_uptime(run: ChaosRun) -> float:
+def training_uptime(events: list[Event], summary: dict[str, Any]) -> float:
     """Uptime from the first to the last closed round: the start (processes booting,
     compiling) is not a failure to advance, nor is the end (no round closes once the budget is
     spent). Windows are the run's own (two sync periods, about 1 s here) but at least
     `MIN_UPTIME_WINDOW_S`: on two cores, a restarted learner compiling next to the survivor can
     starve it of CPU for a few seconds, which says nothing about the algorithm."""
-    rounds = [e.t for e in run.events if isinstance(e, RoundClosed)]
-    window = max(run.summary["uptime_window_s"], MIN_UPTIME_WINDOW_S)
+    rounds = [e.t for e in events if isinstance(e, RoundClosed)]
+    window = max(summary["uptime_window_s"], MIN_UPTIME_WINDOW_S)
     return uptime(rounds, rounds[0], rounds[-1], window)
 
 
@@ -186,7 +190,7 @@ def check_run(
         assert o.recovered_t is not None, f"{o.fault} never recovered: {o}"
         assert o.t <= o.detected_t <= o.recovered_t
     if full_uptime:
-        assert training_uptime(run) == pytest.approx(1.0)
+        assert training_uptime(run.events, run.summary) == pytest.approx(1.0)
     # nothing non-finite or fenced was merged: the global model is finite, rejections are the
     # expected kinds only, and the ledger neither lost nor double-counted tokens
     assert s["heldout_loss"] == s["heldout_loss"] and abs(s["heldout_loss"]) < 1e3

@@ -134,7 +134,7 @@ def test_spare_capacity_is_scavenged_then_drained_gracefully(
     assert spare["contributions_merged"] > 0
     # the others kept closing rounds: the global model never stalled
     assert [e for e in events if isinstance(e, RoundClosed) and e.t > drained_t]
-    assert training_uptime_of(events, summary) == pytest.approx(1.0)
+    assert training_uptime(events, summary) == pytest.approx(1.0)
     _check_exact(summary, cfg.token_budget)
 
 
@@ -154,8 +154,3 @@ def _removed_at_exit(tpu_cluster: Any, node: Any) -> Iterator[None]:
     finally:
         tpu_cluster.cluster.remove_node(node, allow_graceful=False)
 
-
-def training_uptime_of(events: list[Any], summary: dict[str, Any]) -> float:
-    from tests.chaos.chaos_helpers import ChaosRun
-
-    return training_uptime(ChaosRun(None, summary, events, [], 0.0))  # type: ignore[arg-type]
