@@ -9,6 +9,7 @@ in-process reference run (`ray_diloco.sim.simulate`), which is deterministic for
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -22,9 +23,10 @@ from common import QUICK_MODEL, REFERENCE, parser, plot_loss_curves, write_resul
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
 # Every variant starts from algorithm.md as written (every learner receives every round, a
-# round steps in full: the defaults) and names what it changes; the default config is the row
-# "decoupled K=1 grace".
-AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full"]
+# round steps in full, a new version overwrites unsent work) and names what it changes; the
+# default config is the row DEFAULT.
+AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full", "diloco.keep_unsent_work=false"]
+DEFAULT = "decoupled K=1 grace, fraction step"
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
@@ -60,6 +62,15 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.publish_to=contributors",
         "diloco.round_step=share",
     ],
+    DEFAULT: ["diloco.round_step=fraction"],
+    "decoupled K=1 no grace, fraction step": [
+        "diloco.grace_fraction=0",
+        "diloco.round_step=fraction",
+    ],
+    "decoupled K=1 grace, keep unsent work, fraction step": [
+        "diloco.keep_unsent_work=true",
+        "diloco.round_step=fraction",
+    ],
     # The outer optimizer at this short horizon (about 10 outer steps per fragment).
     "synchronous, outer momentum 0.5": ["diloco.mode=synchronous", "outer.momentum=0.5"],
     "decoupled K=1 grace, outer momentum 0.5": ["outer.momentum=0.5"],
@@ -94,8 +105,19 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="subset of variants")
     p.add_argument("--jobs", type=int, default=1, help="variants run side by side (processes)")
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the rows already in the JSON and run only the variants missing there",
+    )
     args = p.parse_args()
-    chosen = {n: o for n, o in VARIANTS.items() if not args.only or n in args.only}
+    name = "quality-quick" if args.quick else "quality"
+    path = args.out / f"{name}.json"
+    kept = json.loads(path.read_text())["rows"] if args.add and path.exists() else []
+    have = {r["variant"] for r in kept}
+    chosen = {
+        n: o for n, o in VARIANTS.items() if (not args.only or n in args.only) and n not in have
+    }
     # Each variant is a deterministic in-process run of its own: processes side by side change
     # the wall times only.
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
@@ -108,10 +130,14 @@ def main() -> None:
                 f"({rows[-1]['wall_s']:.0f}s)",
                 flush=True,
             )
+    order = list(VARIANTS)
+    rows = sorted(
+        kept + rows,
+        key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order),
+    )
     dp = next((r["heldout_loss"] for r in rows if r["variant"] == "data_parallel"), None)
     for r in rows:
         r["vs_data_parallel"] = (r["heldout_loss"] / dp - 1) if dp else None
-    name = "quality-quick" if args.quick else "quality"
     args.out.mkdir(parents=True, exist_ok=True)
     plot_loss_curves([(r["variant"], r["evals"]) for r in rows], args.out / f"{name}.png")
     columns = [

@@ -44,9 +44,11 @@ HORIZON = [
 QUICK = [*QUICK_MODEL, "token_budget=30000"]
 GLOBAL_BATCH = 32
 SEEDS = (0, 1, 2)
-# As in quality.py: algorithm.md as written (the defaults); each variant names its change.
-AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full"]
-DEFAULT = "decoupled K=1 grace"
+# As in quality.py: every variant starts from algorithm.md as written and names its change.
+AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full", "diloco.keep_unsent_work=false"]
+AS_WRITTEN_K1 = "decoupled K=1 grace"
+DEFAULT = "decoupled K=1 grace, fraction step"  # the config's defaults
+FRACTION = ["diloco.round_step=fraction"]
 BEST_2M = "decoupled K=1 grace, contributors, share step"
 # name -> (overrides, learners, seeds)
 VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
@@ -54,10 +56,11 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     "synchronous": (["diloco.mode=synchronous"], 4, SEEDS),
     "decoupled K=M": (["diloco.quorum_min=4"], 4, SEEDS),
     "decoupled K=1 no grace": (["diloco.grace_fraction=0"], 4, SEEDS),
-    DEFAULT: ([], 4, SEEDS),
+    AS_WRITTEN_K1: ([], 4, SEEDS),
     BEST_2M: (["diloco.publish_to=contributors", "diloco.round_step=share"], 4, SEEDS),
     # A round as a fraction of an outer step, momentum included (round_step: fraction).
-    "decoupled K=1 grace, fraction step": (["diloco.round_step=fraction"], 4, SEEDS),
+    DEFAULT: (FRACTION, 4, SEEDS),
+    "decoupled K=1 no grace, fraction step": (["diloco.grace_fraction=0", *FRACTION], 4, SEEDS),
     "decoupled K=1 grace, contributors, fraction step": (
         ["diloco.publish_to=contributors", "diloco.round_step=fraction"],
         4,
@@ -84,7 +87,7 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         (0,),
     ),
     "decoupled K=1 grace, keep unsent work, fraction step": (
-        ["diloco.keep_unsent_work=true", "diloco.round_step=fraction"],
+        ["diloco.keep_unsent_work=true", *FRACTION],
         4,
         SEEDS,
     ),
@@ -103,13 +106,18 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         (0,),
     ),
     "decoupled K=1 grace, mean merge": (["diloco.merge=mean"], 4, (0,)),
+    f"{DEFAULT}, mean merge": ([*FRACTION, "diloco.merge=mean"], 4, (0,)),
     "decoupled, M=1": ([], 1, (0,)),  # DiLoCo itself, without several learners
     "decoupled K=1 grace, M=2": ([], 2, (0,)),
     "decoupled K=1 grace, M=8": ([], 8, (0,)),
+    f"{DEFAULT}, M=2": (FRACTION, 2, (0,)),
+    f"{DEFAULT}, M=8": (FRACTION, 8, (0,)),
 }
-# The outer optimizer around the paper's (lr 0.7, Nesterov 0.9: the default row), M = 4.
+# The outer optimizer around the paper's (lr 0.7, Nesterov 0.9), M = 4: as written, and on
+# the default config.
 SWEEP: dict[str, list[str]] = {
-    f"{DEFAULT}, outer lr {lr}, momentum {m}": [f"outer.lr={lr}", f"outer.momentum={m}"]
+    f"{name}, outer lr {lr}, momentum {m}": [*base, f"outer.lr={lr}", f"outer.momentum={m}"]
+    for name, base in ((AS_WRITTEN_K1, []), (DEFAULT, FRACTION))
     for lr, m in ((1.0, 0.9), (0.5, 0.9), (0.7, 0.5), (1.0, 0.5))
 }
 
