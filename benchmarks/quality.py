@@ -67,7 +67,13 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.grace_fraction=0",
         "diloco.round_step=fraction",
     ],
+    f"{DEFAULT}, mean merge": ["diloco.round_step=fraction", "diloco.merge=mean"],
     "decoupled K=1 grace, keep unsent work, fraction step": [
+        "diloco.keep_unsent_work=true",
+        "diloco.round_step=fraction",
+    ],
+    "decoupled K=1 no grace, keep unsent work, fraction step": [
+        "diloco.grace_fraction=0",
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
     ],

@@ -20,7 +20,10 @@ time) once it took effect. How each fault is made real:
 - kill_synchronizer: `ray.kill(..., no_restart=False)` of the target shard (default 0): Ray
   reconstructs it, and it recovers from its checkpoint, its round log and the learners
   (`during_checkpoint`: right after it began writing a checkpoint).
-A fault whose target learner is down (being restarted) when it is due is skipped, not recorded.
+A fault whose target learner is down (being restarted) when it is due waits until it is back
+(checked every `WAIT_S`) and is injected then: on a loaded machine a restart takes a minute, and
+a storm used to skip half its faults. One that cannot be injected at all (a host on the head
+node, never removed) is skipped, not recorded.
 `FaultInjected` carries the time the fault took effect (the signal's own clock for hang_host;
 for the others, the moment the engine issued it), not the time the engine heard back: on a busy
 machine that reply can come after the supervisor already saw the failure (a node kill's task
@@ -52,6 +55,7 @@ from ray_diloco.control.events import Event
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 20.0
+WAIT_S = 0.5  # how often a fault whose target is down looks again
 Injected = tuple[str, float]  # what was done, and when it took effect (run clock)
 
 
@@ -130,7 +134,7 @@ class ChaosEngine:
             self.t0 = now
             logger.info("chaos clock starts at t=%.1fs", now)
         for action in due(self.actions, self._last, now - self.t0):
-            self._pool.submit(self._inject, action)
+            self._submit(action)
         self._last = now - self.t0
 
     def close(self) -> None:
@@ -144,6 +148,10 @@ class ChaosEngine:
         detail: str | None = None
         try:
             detail, at = getattr(self, f"_{a.kind}")(a)
+        except _Down as err:
+            logger.info("chaos: %s on %s waits: %s", a.kind, a.target, err)
+            self._later.call_later(WAIT_S, lambda: self._submit(a))
+            return
         except _Skip as err:
             logger.warning("chaos: %s on %s skipped: %s", a.kind, a.target, err)
         except Exception:
@@ -156,10 +164,16 @@ class ChaosEngine:
         logger.warning("chaos: injected %s on %s (%s)", a.kind, a.target, detail)
         self.record(a.to_event(at, detail))
 
+    def _submit(self, a: FaultAction) -> None:
+        try:
+            self._pool.submit(self._inject, a)
+        except RuntimeError:  # closed: the run is over
+            logger.info("chaos: %s on %s not injected: the run ended", a.kind, a.target)
+
     def _hosts(self, a: FaultAction) -> list[HostRef]:
         hosts = self.targets.hosts(str(a.target))
         if not hosts:
-            raise _Skip(f"learner {a.target} is down")
+            raise _Down(f"learner {a.target} is down")
         return hosts
 
     def _pick(self, a: FaultAction, hosts: list[HostRef]) -> HostRef:
@@ -195,7 +209,7 @@ class ChaosEngine:
     def _hang_host(self, a: FaultAction) -> Injected:
         h = self._pick(a, self._hosts(a))
         if h.pid is None or h.node_id is None:
-            raise _Skip(f"host {h.index} has not reported its process yet")
+            raise _Down(f"host {h.index} has not reported its process yet")
         sent = ray.get(
             _signal_process.options(scheduling_strategy=_on(h.node_id)).remote(
                 h.pid, signal.SIGSTOP
@@ -260,7 +274,11 @@ class ChaosEngine:
 
 
 class _Skip(Exception):
-    """The fault cannot be injected now (its target is down); not an error."""
+    """The fault cannot be injected on this target; not an error."""
+
+
+class _Down(_Skip):
+    """The fault's target is down or still starting: it waits."""
 
 
 def _on(node_id: str) -> NodeAffinitySchedulingStrategy:

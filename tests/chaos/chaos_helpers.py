@@ -150,7 +150,7 @@ def run_chaos(cfg: RunConfig) -> ChaosRun:
 
 def settled(sup: dict[str, Any], scheduled: int) -> bool:
     """From the supervisor's status: every one of the `scheduled` faults was injected or
-    skipped (due while its target was down), and each injected one recovered or was
+    skipped (one that cannot be: a host on the head node), and each injected one recovered or was
     superseded (taken down again before it was over)."""
     if sup["chaos"]["injected"] + sup["chaos"]["skipped"] < scheduled:
         return False

@@ -48,6 +48,9 @@ pytestmark = pytest.mark.chaos
 # 3 failures on 2026-11-26 at 144k tokens).
 BUDGET = 72_000
 STORM_BUDGET = 240_000
+# A test's whole time, the module's cluster start included for the first: a CI run at load
+# 10 took 100 s to boot the two-host learner, 80 s to restart it, and 202 s of run in all.
+RUN_TIMEOUT_S = 600
 EU = REGIONS["eu"]
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "chaos_reference.json"
 Reference = Callable[..., float]
@@ -96,7 +99,7 @@ def failures(run: ChaosRun, learner: str) -> list[FailureDetected]:
     return [e for e in run.events if isinstance(e, FailureDetected) and e.learner == learner]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_kill_host_restarts_the_whole_multi_host_learner(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -112,7 +115,7 @@ def test_kill_host_restarts_the_whole_multi_host_learner(
     assert run.summary["learners"]["v5p"]["incarnation"] == 1
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_kill_group(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -122,7 +125,7 @@ def test_kill_group(
     assert [f.failure for f in failures(run, "eu")] == [FailureKind.CRASH]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_remove_node_rebuilds_the_group_elsewhere(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -137,7 +140,7 @@ def test_remove_node_rebuilds_the_group_elsewhere(
     assert failure.failure in (FailureKind.NODE_LOST, FailureKind.HANG)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_hang_host_is_detected_by_heartbeat_timeout(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -154,7 +157,7 @@ def test_hang_host_is_detected_by_heartbeat_timeout(
     assert detection is not None and detection <= timeout + 1.5, (detection, timeout)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_straggler_is_seen_but_never_restarted(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -164,7 +167,7 @@ def test_straggler_is_seen_but_never_restarted(
     assert failures(run, "eu") == []
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 @pytest.mark.parametrize(
     ("kind", "factor"), [("cut_link", 1.0), ("slow_link", 100.0)], ids=["cut", "slow"]
 )
@@ -183,7 +186,7 @@ def test_link_faults_starve_the_region_then_recover(
     assert failures(run, "eu") == []
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_nan_contribution_is_rejected_and_the_learner_restarted(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -193,7 +196,7 @@ def test_nan_contribution_is_rejected_and_the_learner_restarted(
     assert [f.failure for f in failures(run, "eu")] == [FailureKind.NUMERICAL]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_huge_contribution_is_rejected_by_the_norm_guard(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -206,7 +209,7 @@ def test_huge_contribution_is_rejected_by_the_norm_guard(
     assert failures(run, "us") == []  # the guard protected the model: no restart needed
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 @pytest.mark.parametrize("during_checkpoint", [False, True], ids=["any-moment", "mid-checkpoint"])
 def test_kill_synchronizer_loses_no_round(
     tpu_cluster: TpuCluster,
@@ -272,7 +275,7 @@ STORM_MAX_STALE_REFUSALS = 30
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_storm_of_mixed_faults(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
@@ -287,7 +290,8 @@ def test_storm_of_mixed_faults(
     )
     stale = run.summary["rejected"].get("stale_version", 0)
     assert stale <= STORM_MAX_STALE_REFUSALS, run.summary["rejected"]
-    # A fault due while its learner is down (restarting) is skipped, not injected.
+    # A fault due while its learner is down (restarting) waits until it is back: every one of
+    # them is injected, however long the restarts take (5 of 9 were, skipping, at load 10).
     injected = [o.fault for o in run.outcomes]
-    assert len(injected) >= 6 and {"kill_synchronizer", "kill_host"} <= set(injected), injected
+    assert sorted(injected) == sorted(f["kind"] for f in STORM), injected
     _assert_versions_never_go_backwards(run)

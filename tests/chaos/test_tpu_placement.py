@@ -75,7 +75,7 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_region_and_head_options_place_actors(tpu_cluster: TpuCluster) -> None:
     probe = HostProbe.options(**region_options("europe-west4")).remote()
     info = ray.get(probe.info.remote(), timeout=30)
@@ -88,7 +88,7 @@ def test_region_and_head_options_place_actors(tpu_cluster: TpuCluster) -> None:
         ray.kill(actor)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_tpu_groups_land_on_their_slices(tpu_cluster: TpuCluster) -> None:
     placements = {
         kind: reserve_learner_group(lg, name_prefix="chaos", timeout_s=30, emulated=True)
@@ -118,7 +118,7 @@ def test_tpu_groups_land_on_their_slices(tpu_cluster: TpuCluster) -> None:
     assert {placement_state(p) for p in placements.values()} == {"REMOVED"}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_tpu_group_in_a_region_without_that_slice_times_out(tpu_cluster: TpuCluster) -> None:
     lg = GROUPS["v5p"].model_copy(update={"region": "europe-west4"})
     with pytest.raises(PlacementTimeoutError) as info:
@@ -127,7 +127,7 @@ def test_tpu_group_in_a_region_without_that_slice_times_out(tpu_cluster: TpuClus
     assert "TPU-V5P 2x2x2" in message and "europe-west4" in message
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("kind", "preempt", "expected"), [("v5p", False, "node_lost"), ("v6e", True, "preemption")]
 )
