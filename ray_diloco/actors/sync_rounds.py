@@ -93,15 +93,6 @@ class RoundDuty:
             for p in self.store.due():
                 self._finish_recovery(p)
 
-    def _recovered(self) -> None:
-        """Wait until no fragment is being recovered: each ends by the store's deadline at the
-        latest. Called before the values are read for good (the run's last evaluation): the
-        budget can be spent (the learners kept training through the outage) while a learner
-        has yet to hand its newer value over, and the checkpoint's value is no score."""
-        while self.store is not None and self.core.recovering:
-            self._recover()
-            time.sleep(IDLE_POLL_S)
-
     def _finish_recovery(self, fragment: int) -> None:
         """Adopt the fragment's newest value found (under the lock)."""
         assert self.store is not None

@@ -320,9 +320,8 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:
-        """Held-out loss of the global parameters once every fragment is recovered (recorded
-        in the history); shard 0 only (it reads the other shards' fragments)."""
-        self._recovered()
+        """Held-out loss of the global parameters now (recorded in the history); shard 0
+        only (it reads the other shards' fragments)."""
         loss = self._evaluate()
         if loss is None:
             raise RuntimeError("synchronizer: another shard did not hand over its fragments")
@@ -331,7 +330,6 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
     @ray.method(concurrency_group="control")
     def fragment_values(self) -> tuple[dict[str, Any], int]:
         """This shard's global values and its closed rounds, for shard 0's evaluation."""
-        self._recovered()
         with self._lock:
             return self.core.global_params(), self.rounds()
 
