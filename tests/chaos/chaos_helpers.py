@@ -113,11 +113,15 @@ def chaos_config(
 @dataclass
 class ChaosRun:
     cfg: RunConfig
-    budget: int
     summary: dict[str, Any]
     events: list[Event]
     outcomes: list[FaultOutcome]
     wall_s: float
+
+    @property
+    def budget(self) -> int:
+        """The planned budget (`chaos_config` raised `token_budget` to the ceiling)."""
+        return self.cfg.inner.decay_tokens or self.cfg.token_budget
 
     def outcome(self, kind: str) -> FaultOutcome:
         (o,) = [o for o in self.outcomes if o.fault == kind]
@@ -145,7 +149,7 @@ def run_chaos(cfg: RunConfig) -> ChaosRun:
     summary = run_training(cfg, progress=lambda line: None, stop_when=stop)
     events = read_tape(Path(cfg.run_dir) / "events.jsonl")
     outcomes = fault_outcomes(events, REGIONS)
-    return ChaosRun(cfg, budget, summary, events, outcomes, time.monotonic() - started)
+    return ChaosRun(cfg, summary, events, outcomes, time.monotonic() - started)
 
 
 def settled(sup: dict[str, Any], scheduled: int) -> bool:
