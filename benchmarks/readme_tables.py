@@ -169,6 +169,26 @@ def spread(data: dict[str, Any]) -> str:
     return markdown_table(rows, list(rows[0]))
 
 
+def outage(data: dict[str, Any]) -> str:
+    """One row per outage, the two rules side by side."""
+    by = {(r["start_s"], r["length_s"], r["accelerate"]): r for r in data["rows"]}
+    rows = []
+    for (start, length, rule), r in by.items():
+        if rule != "window":
+            continue
+        amplified = by.get((start, length, "all"))
+        rows.append(
+            {
+                "outage": f"{length:g} s from {start:g} s" if length else "none",
+                "tokens": str(r["tokens"]),
+                "offers refused": str(r["refused"]),
+                "held-out, window (default)": _num(r["heldout_loss"]),
+                "held-out, all": _num(amplified["heldout_loss"]) if amplified else "-",
+            }
+        )
+    return markdown_table(rows, list(rows[0]))
+
+
 def goodput_sim(data: dict[str, Any]) -> str:
     rows, meta = data["rows"], data["meta"]
     learners = sorted({r["learners"] for r in rows if r["system"] == "decoupled"})
@@ -303,6 +323,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "recovery": recovery,
     "recovery_load": recovery,
     "spread": spread,
+    "outage": outage,
     "goodput_sim": goodput_sim,
     "goodput_sim_slow_repair": goodput_sim,
     "bandwidth_sim": bandwidth_sim,

@@ -66,6 +66,7 @@ def outer_step(
     outer_grad: Mapping[str, ArrayLike],
     grad_scale: Mapping[str, float] | None = None,
     fraction: float = 1.0,
+    accelerated: float = 1.0,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One outer step on a fragment: `trace <- g + momentum * trace`, `G <- G - lr * u` with
     `u = g + momentum * trace` (Nesterov) or `u = trace`.
@@ -78,8 +79,12 @@ def outer_step(
     b = momentum: `trace <- b^f * trace + c g` where c = (1 - b^f) / (1 - b), and `u = f (g +
     b * trace)` (Nesterov) or `f * trace`. Then 1/f rounds of gradient g decay the trace as one
     whole step does and add exactly g to it, and, without momentum, move G exactly as far; at
-    f = 1 it is the step above, operation for operation. Returns float32 NumPy values and a
-    new state; the inputs are not modified (a checkpoint may be reading the old state)."""
+    f = 1 it is the step above, operation for operation.
+
+    `accelerated` a < 1 gives the optimizer only a g (`diloco.accelerate: window`, for a
+    gradient that covers 1/a sync windows of learner work) and moves G by the rest, (1 - a) g,
+    as it is: lr 1, no momentum, no trace. Returns float32 NumPy values and a new state; the
+    inputs are not modified (a checkpoint may be reading the old state)."""
     if values.keys() != outer_grad.keys():
         raise ValueError(
             f"outer_step: outer gradient leaves {sorted(outer_grad)} differ from the "
@@ -88,7 +93,9 @@ def outer_step(
     params, grads = _host(values), _host(outer_grad)
     traces: dict[str, np.ndarray] = {}
     new_values: dict[str, np.ndarray] = {}
-    b, whole = tx.momentum, fraction == 1.0
+    if not 0.0 < accelerated <= 1.0:
+        raise ValueError(f"outer_step: accelerated={accelerated} must be in (0, 1]")
+    b, whole, plain = tx.momentum, fraction == 1.0, F32(1.0 - accelerated)
     mu, neg_lr = F32(b), F32(-tx.lr)
     # A fraction f of a step: the trace decays by b^f and takes c g, u is f times the whole
     # step's (the whole step skips these, operation for operation optax's).
@@ -101,10 +108,16 @@ def outer_step(
         old = np.asarray(opt_state["trace"][path], F32).reshape(-1)
         trace, new = np.empty_like(old), np.empty_like(g_flat)
         tmp, scaled, part = np.empty((3, min(CHUNK, g_flat.size)), F32)
-        scale = None if grad_scale is None or grad_scale[path] == 1.0 else F32(grad_scale[path])
+        given = F32(1.0 if grad_scale is None else grad_scale[path])
+        if plain:
+            given, plain_scale = given * F32(accelerated), given * plain
+        scale = None if given == 1.0 else given
         for s in range(0, g_flat.size, CHUNK):
             e = min(s + CHUNK, g_flat.size)
             t, u, gc = trace[s:e], tmp[: e - s], grad[s:e]
+            if plain:  # the part taken as it is: G - (1 - a) g, before g is scaled for the trace
+                np.multiply(gc, plain_scale, out=part[: e - s])
+                np.subtract(g_flat[s:e], part[: e - s], out=new[s:e])
             if scale is not None:
                 gc = np.multiply(gc, scale, out=scaled[: e - s])
             if whole:
@@ -120,6 +133,9 @@ def outer_step(
                 u *= neg_lr
             else:
                 np.multiply(t, neg_lr, out=u)
-            np.add(g_flat[s:e], u, out=new[s:e])
+            if plain:
+                new[s:e] += u
+            else:
+                np.add(g_flat[s:e], u, out=new[s:e])
         traces[path], new_values[path] = trace.reshape(shape), new.reshape(shape)
     return new_values, {"trace": traces}

@@ -53,6 +53,13 @@ class DilocoConfig(_Frozen):
     # as one round of all M does (with "share" it decays M times per window). The default:
     # it beat "full" in every setting measured (README, "Where this departs").
     round_step: Literal["full", "share", "fraction"] = "fraction"
+    # How much of a round's merged outer gradient the outer optimizer (lr, momentum) takes.
+    # "all": the whole of it (algorithm.md section 6). "window": one sync window's worth: a
+    # round whose contributions cover m > 1 windows of H inner steps (weighted as the merge
+    # weighs them) gives the optimizer 1/m of it and moves G by the rest as it is (lr 1, no
+    # momentum): the work learners did through a synchronizer outage is taken, not amplified.
+    # Rounds of at most one window (every round of a fault-free run) are the same either way.
+    accelerate: Literal["window", "all"] = "window"
     staleness_penalty: float = Field(0.0, ge=0)
     max_staleness_versions: int = Field(4, ge=0)
     # The norm guard (algorithm.md section 7) refuses a contribution whose own update (its delta

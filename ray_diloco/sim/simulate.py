@@ -61,6 +61,14 @@ class _Sim:
     evals: list[dict[str, float]] = field(default_factory=list)
     num_evals: int = NUM_EVALS
     final_params: dict[str, Any] = field(default_factory=dict)  # the last evaluated
+    # [start, end) of virtual time in which the synchronizer is down (restarting): it refuses
+    # every offer, as a restarted shard does until its values are back, and the learners
+    # train on and offer again after it
+    outage: tuple[float, float] | None = None
+    outage_refusals: int = 0
+
+    def down(self, t: float) -> bool:
+        return self.outage is not None and self.outage[0] <= t < self.outage[1]
 
     def push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.queue, (t, next(self.seq), kind, payload))
@@ -78,10 +86,13 @@ def run_reference(
     progress: Progress | None = None,
     setup: Setup | None = None,
     num_evals: int = NUM_EVALS,
+    outage: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """Run `cfg` in process and return its summary (see `summarize_diloco`); the global
-    parameters are evaluated `num_evals` times over the token budget (and at the end)."""
-    return reference_run(cfg, progress, setup, num_evals)[0]
+    parameters are evaluated `num_evals` times over the token budget (and at the end).
+    `outage`: [start, end) virtual seconds in which the synchronizer refuses every offer
+    (a restart; decoupled modes only)."""
+    return reference_run(cfg, progress, setup, num_evals, outage)[0]
 
 
 def reference_run(
@@ -89,9 +100,13 @@ def reference_run(
     progress: Progress | None = None,
     setup: Setup | None = None,
     num_evals: int = NUM_EVALS,
+    outage: tuple[float, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """`run_reference`'s summary and the final global parameters (a flat dict)."""
-    sim = _Sim(setup or Setup.build(cfg), progress, num_evals=num_evals)
+    if outage is not None and cfg.diloco.mode != "decoupled":
+        # a synchronous learner would wait out the outage: nothing to measure but the wait
+        raise ValueError(f"an outage needs diloco.mode=decoupled, not {cfg.diloco.mode!r}")
+    sim = _Sim(setup or Setup.build(cfg), progress, num_evals=num_evals, outage=outage)
     summary = _run_data_parallel(sim) if cfg.diloco.mode == "data_parallel" else _run_diloco(sim)
     return summary, sim.final_params
 
@@ -208,6 +223,8 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             core.reader.add(leases or [])
             offer(ln, core.offers(), now)
             step_boundary(i, now)
+        elif kind == "arrive" and sim.down(now):
+            sim.outage_refusals += 1
         elif kind == "arrive":
             meta, delta = payload
             newest = sync.catch_up(meta, sync.offer(meta, delta, now))
@@ -277,6 +294,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
         "uptime": uptime(round_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,
+        "outage_refusals": sim.outage_refusals,
     }
 
 

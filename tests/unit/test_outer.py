@@ -135,3 +135,36 @@ def test_four_quarter_steps_add_up_to_one_whole_step(nesterov: bool) -> None:
     np.testing.assert_allclose(state["trace"]["w"], one_state["trace"]["w"], rtol=1e-5)
     ratio = values["w"][:3] / one["w"][:3]
     assert np.allclose(ratio, ratio[0]) and 0.6 < ratio[0] < 1, ratio
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_accelerated_share_goes_through_momentum_and_the_rest_moves_g_as_it_is(
+    fraction: float,
+) -> None:
+    # diloco.accelerate: window. A gradient covering 4 windows: the optimizer takes a quarter
+    # (its trace and its step are those of g / 4), and G moves by the other 3/4 as it is.
+    from ray_diloco.algorithm.chunks import CHUNK
+
+    rng = np.random.default_rng(1)
+    tx = make_outer_optimizer(OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True))
+    values = {"a": rng.normal(size=(2, CHUNK + 3)).astype(np.float32)}
+    state = {"trace": {"a": rng.normal(size=values["a"].shape).astype(np.float32)}}
+    grad = {"a": rng.normal(size=values["a"].shape).astype(np.float32)}
+    scale = {"a": 2.0}
+    got, got_state = outer_step(tx, values, state, grad, scale, fraction, accelerated=0.25)
+    quarter = {"a": grad["a"] * np.float32(0.25)}
+    want, want_state = outer_step(tx, values, state, quarter, scale, fraction)
+    want_g = want["a"] - np.float32(0.75 * 2.0) * grad["a"]
+    np.testing.assert_allclose(got_state["trace"]["a"], want_state["trace"]["a"], rtol=1e-5)
+    np.testing.assert_allclose(got["a"], want_g, rtol=1e-5, atol=1e-5)
+    # accelerated = 1 is the plain step, bit for bit
+    plain, _ = outer_step(tx, values, state, grad, scale, fraction, accelerated=1.0)
+    ref, _ = outer_step(tx, values, state, grad, scale, fraction)
+    np.testing.assert_array_equal(plain["a"], ref["a"])
+
+
+def test_accelerated_out_of_range_is_refused() -> None:
+    tx = make_outer_optimizer(OuterOptimizerConfig())
+    values = {"w": np.zeros(2, np.float32)}
+    with pytest.raises(ValueError, match="accelerated"):
+        outer_step(tx, values, init_outer_state(tx, values), values, accelerated=0.0)
