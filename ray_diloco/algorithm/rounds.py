@@ -49,6 +49,12 @@ class _FragmentState:
     quorum_s: float | None = None
     grace_s: float = 0.0
     merging: bool = False
+    # Learners whose entry in the open round their own restart fenced: the round counts them
+    # as in (its quorum, "every live learner") and closes without them. A synchronous round
+    # waited for the new incarnation's offer, which comes only when the fragment is next due
+    # on its schedule, while it waited, blocked, for rounds that needed the others' offers:
+    # a deadlock (benchmarks/goodput.py, aggressive failures).
+    excused: set[str] = field(default_factory=set)
     # Per-step norms of accepted updates taken after the inner warm-up (the guard's median).
     norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
     # learner -> the inner step of its newest accepted contribution (of its incarnation).
@@ -128,10 +134,16 @@ class RoundBook:
         entry = frag.pending.pop(learner, None)
         if entry is None:
             return []
+        frag.excused.add(learner)
         frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
-        if len(frag.pending) < self.quorum():
+        if not frag.pending or self._counted(frag) < self.quorum():
             frag.quorum_s, frag.grace_s = None, 0.0
         return [entry]
+
+    @staticmethod
+    def _counted(frag: _FragmentState) -> int:
+        """The learners that count toward the open round's quorum: pending or excused."""
+        return len(frag.pending.keys() | frag.excused)
 
     def heartbeat(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None
@@ -289,7 +301,7 @@ class RoundBook:
         return median > 0 and norm / meta.num_steps > self.policy.norm_guard * median
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
-        if frag.quorum_s is not None or len(frag.pending) < self.quorum():
+        if frag.quorum_s is not None or self._counted(frag) < self.quorum():
             return
         frag.quorum_s = now
         assert frag.opened_s is not None
@@ -311,7 +323,7 @@ class RoundBook:
                 break
             if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
-            everyone_in = live <= frag.pending.keys()
+            everyone_in = live <= frag.pending.keys() | frag.excused
             if everyone_in or now >= frag.quorum_s + frag.grace_s:
                 closes.append(self._close(p, frag, now, len(live | frag.pending.keys())))
         return closes
@@ -346,7 +358,7 @@ class RoundBook:
                 e.meta.num_steps,
                 e.meta.num_tokens,
             )
-        frag.pending = {}
+        frag.pending, frag.excused = {}, set()
         frag.opened_s = frag.quorum_s = None
         frag.grace_s = 0.0
         frag.merging = True

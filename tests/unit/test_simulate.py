@@ -170,6 +170,20 @@ def test_failures_strike_on_the_shared_schedule_and_cost_goodput(mode):
     assert hit["tokens"] >= 12000 and hit["heldout_loss"] == hit["heldout_loss"]
 
 
+@pytest.mark.parametrize("seed", [0, 7])
+def test_synchronous_learners_never_deadlock_on_a_restart(seed):
+    # A restart fences the learner's entry in an open round; the round used to wait for the
+    # new incarnation's offer, which its schedule (from its data cursor) made only a window
+    # later, while that learner waited, blocked, on a round that needed the others' offers.
+    # These seeds stalled at 20k and 16k of 24k tokens (the event queue ran dry).
+    faults = ["chaos.enabled=true", "chaos.mtbf_s=1.0", "chaos.restart_s=0.5"]
+    s = run_reference(
+        tiny("diloco.mode=synchronous", "token_budget=24000", *faults, f"chaos.seed={seed}")
+    )
+    assert s["failures"] > 10
+    assert s["tokens"] >= 24000
+
+
 def test_plan_link_loads_are_the_reference_runs_byte_rates(decoupled):
     # `ray-diloco plan` predicts each region's bytes per second at step_time_s; the reference
     # run moves its bytes on that virtual clock, so its upstream rate is the prediction (up to
