@@ -326,7 +326,7 @@ def _summary(
     loss: float,
     t0: float,
 ) -> dict[str, Any]:
-    """The keys of `simulate.summarize_diloco` that apply, wall-clock measures, and what the
+    """The keys of `run_summary.summarize_diloco` that apply, wall-clock measures, and what the
     supervisor measured from the event tape: goodput, uptime, restarts, faults and recovery."""
     tokens, wall_s = st["tokens"], time.time() - t0
     up, down = sum(st["bytes_up"].values()), sum(st["bytes_down"].values())

@@ -25,6 +25,14 @@ from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.goodput import uptime
 from ray_diloco.sim import sim_faults
+from ray_diloco.sim.run_summary import (
+    common_summary,
+    full_snapshot,
+    goodput,
+    lost_fraction,
+    rounds_closed,
+    summarize_diloco,
+)
 
 Progress = Callable[[dict[str, Any]], None]
 NUM_EVALS = 10  # held-out evaluations of the global parameters over a run
@@ -280,26 +288,24 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
                 close_rounds(now)
         tokens = sync.ledger.tokens_trained
         if tokens >= next_eval:
-            sim.eval_point(now, tokens, sync.global_params(), rounds=_rounds(sync))
+            sim.eval_point(now, tokens, sync.global_params(), rounds=rounds_closed(sync))
             next_eval += eval_every
-    sim.eval_point(now, sync.ledger.tokens_trained, sync.global_params(), rounds=_rounds(sync))
+    sim.eval_point(
+        now, sync.ledger.tokens_trained, sync.global_params(), rounds=rounds_closed(sync)
+    )
     summary = summarize_diloco(setup, sync, [ln.core for ln in learners], sim.evals, now)
-    lost = _lost_fraction(sync)
+    lost = lost_fraction(sync)
     # A learner that is down at the end was allocated until the end; one that left, until then.
     until = [(ln.done_s if ln.alive or ln.left else now) - ln.start_s for ln in learners]
     productive = [ln.busy_s - ln.lost_s for ln in learners]
     return summary | {
         "work_lost_fraction": lost,
-        "goodput": _goodput(productive, until) * (1 - lost),
+        "goodput": goodput(productive, until) * (1 - lost),
         "uptime": uptime(round_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,
         "outage_refusals": sim.outage_refusals,
     }
-
-
-def _rounds(sync: SynchronizerCore) -> int:
-    return sum(sync.book.versions().values())
 
 
 def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
@@ -310,7 +316,7 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
     whole = LearnerGroupConfig(
         name="data_parallel", batch_size=sum(lg.batch_size for lg in cfg.learners)
     )
-    core = LearnerCore(cfg, whole, setup.task, setup.layout, setup.plan, _full_snapshot(setup))
+    core = LearnerCore(cfg, whole, setup.task, setup.layout, setup.plan, full_snapshot(setup))
     # The hosts by name: the configured learners', and those of `elastic.schedule` joins, which
     # the job takes in by re-meshing (a pause) and then shares its fixed global batch with.
     hosts = {lg.name: (lg, StepClock(cfg, lg, i)) for i, lg in enumerate(cfg.learners)}
@@ -364,90 +370,14 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
     return {
-        "goodput": _goodput([busy - lost], [allocated]),
+        "goodput": goodput([busy - lost], [allocated]),
         "uptime": uptime(step_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,
-        **_common_summary(setup, sim.evals, now),
+        **common_summary(setup, sim.evals, now),
         "tokens": core.cursor,
         "inner_steps": core.step,
         "bytes_total": link_bytes,
         "bytes_per_token": link_bytes / core.cursor,
         "dp_bytes_per_token": link_bytes / core.cursor,
-    }
-
-
-def _lost_fraction(sync: SynchronizerCore) -> float:
-    """Share of trained tokens whose contribution was fenced or dropped by a guard: work that
-    never reaches the global model (algorithm.md section 9, "work lost"). The tau overlap steps
-    that an overwrite (mixing_alpha = 0) replaces are the merge rule, not lost time."""
-    trained = sync.ledger.tokens_trained
-    return sync.rejected_tokens / trained if trained else 0.0
-
-
-def _goodput(busy: list[float], until: list[float]) -> float:
-    """Fault-free goodput (algorithm.md section 9): step seconds over allocated seconds, each
-    learner's allocation ending with its last completed step (the step it is in when the budget
-    is reached is cut off by stopping, not lost). What remains lost is time blocked on a
-    barrier, waiting for the slowest host or for the all-reduce."""
-    return sum(busy) / sum(until) if sum(until) else 1.0
-
-
-def _full_snapshot(setup: Setup) -> dict[int, tuple[int, dict[str, Any]]]:
-    return {
-        p: (0, {k: np.asarray(setup.init[k]) for k in paths})
-        for p, paths in enumerate(setup.plan.fragments)
-    }
-
-
-def _common_summary(setup: Setup, evals: list[dict[str, float]], now: float) -> dict[str, Any]:
-    cfg = setup.cfg
-    return {
-        "mode": cfg.diloco.mode,
-        "heldout_loss": evals[-1]["heldout_loss"],
-        "virtual_time_s": now,
-        "num_params": setup.num_params(),
-        "evals": evals,
-    }
-
-
-def summarize_diloco(
-    setup: Setup,
-    sync: SynchronizerCore,
-    learners: list[LearnerCore],
-    evals: list[dict[str, float]],
-    now: float,
-) -> dict[str, Any]:
-    cfg = setup.cfg
-    tokens = sync.ledger.tokens_trained
-    moved = sum(sync.bytes_up.values()) + sum(sync.bytes_down.values())
-    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * (
-        setup.task.data.tokens_per_example
-    )
-    dp_bytes = tokens / tokens_per_dp_step * 2 * setup.param_bytes() * cfg.num_learners
-    merged = [a.contributions for a in sync.ledger.accounts.values()]
-    rounds = _rounds(sync)
-    return {
-        **_common_summary(setup, evals, now),
-        "tokens": tokens,
-        "rounds": rounds,
-        "mean_contributors": sum(merged) / rounds if rounds else 0.0,
-        "bytes_up": sum(sync.bytes_up.values()),
-        "bytes_down": sum(sync.bytes_down.values()),
-        "bytes_total": moved,
-        "bytes_per_token": moved / max(1, tokens),
-        "dp_bytes_per_token": dp_bytes / max(1, tokens),
-        "rejected": dict(sync.rejected),
-        # tokens that reached the global model, averaged over fragments
-        "tokens_merged": sum(sync.ledger.tokens_merged(p) for p in range(setup.plan.num_fragments))
-        / setup.plan.num_fragments,
-        "ledger_violations": sync.ledger.violations(),
-        "learners": {
-            core.name: {
-                "inner_steps": core.step,
-                "tokens": core.cursor,
-                "contributions_merged": sync.ledger.account(core.name).contributions,
-            }
-            for core in learners
-        },
     }
