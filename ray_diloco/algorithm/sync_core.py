@@ -258,9 +258,10 @@ class SynchronizerCore(RecoveringCore):
         d = self.cfg.diloco
         g = self.values[p]
         held: list[Held] = [c.payload for c in close.contributions]
+        weights = self._weights(close)
         contributions = [
             (_anchored(h, g, d.outer_anchor), weight)
-            for h, weight in zip(held, self._weights(close), strict=True)
+            for h, weight in zip(held, weights, strict=True)
         ]
         # The guard's norms hold while G is the value they were measured against.
         sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
@@ -271,8 +272,9 @@ class SynchronizerCore(RecoveringCore):
             share = min(1.0, len({c.meta.learner for c in close.contributions}) / close.learners)
         scale = {k: s * share if d.round_step == "share" else s for k, (_, s) in parts.items()}
         fraction = share if d.round_step == "fraction" else 1.0
+        accelerated = self._accelerated(close, weights)
         values, self.outer_states[p] = outer.outer_step(
-            self.tx, g, self.outer_states[p], grad, scale, fraction, self._accelerated(close)
+            self.tx, g, self.outer_states[p], grad, scale, fraction, accelerated
         )
         hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions
@@ -287,7 +289,7 @@ class SynchronizerCore(RecoveringCore):
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, close, elapsed)
 
-    def _accelerated(self, close: RoundClose) -> float:
+    def _accelerated(self, close: RoundClose, weights: list[float]) -> float:
         """The share of the round's outer gradient the outer optimizer takes (`diloco.
         accelerate`): with "window", one sync window's worth of the merged work, 1/m when its
         contributions cover m > 1 windows (H inner steps each) on weighted average. Work a
@@ -298,7 +300,6 @@ class SynchronizerCore(RecoveringCore):
         d = self.cfg.diloco
         if d.accelerate == "all":
             return 1.0
-        weights = self._weights(close)
         total = sum(weights)
         if total <= 0:
             return 1.0
