@@ -22,8 +22,12 @@ time) once it took effect. How each fault is made real:
   (`during_checkpoint`: right after it began writing a checkpoint).
 A fault whose target learner is down (being restarted) when it is due waits until it is back
 (checked every `WAIT_S`) and is injected then: on a loaded machine a restart takes a minute, and
-a storm used to skip half its faults. One that cannot be injected at all (a host on the head
-node, never removed) is skipped, not recorded.
+a storm used to skip half its faults. Faults on one target are injected one at a time, in
+schedule order, each recorded before the next starts: a corruption and a kill that waited for
+the same restart used to go at once, and the kill could come first on the tape while the
+corruption was armed in the process it killed (then never detected, nor superseded).
+One that cannot be injected at all (a host on the head node, never removed) is skipped, not
+recorded.
 `FaultInjected` carries the time the fault took effect (the signal's own clock for hang_host;
 for the others, the moment the engine issued it), not the time the engine heard back: on a busy
 machine that reply can come after the supervisor already saw the failure (a node kill's task
@@ -122,6 +126,9 @@ class ChaosEngine:
         self._later = DelayedCalls("chaos-undo")
         self._head = _head_node_id()
         self._lock = threading.Lock()
+        # Submitted and not yet injected or skipped, in schedule order: faults on one target go
+        # one at a time in that order (see the module's docstring).
+        self._pending: list[FaultAction] = []
         self.injected = 0
         self.skipped = 0
 
@@ -145,6 +152,11 @@ class ChaosEngine:
     # -- injections (worker threads) ----------------------------------------------------------
 
     def _inject(self, a: FaultAction) -> None:
+        with self._lock:
+            earlier = self._pending[: self._pending.index(a)]
+            if any(p.target == a.target for p in earlier):
+                self._later.call_later(WAIT_S, lambda: self._submit(a))
+                return
         detail: str | None = None
         try:
             detail, at = getattr(self, f"_{a.kind}")(a)
@@ -156,15 +168,20 @@ class ChaosEngine:
             logger.warning("chaos: %s on %s skipped: %s", a.kind, a.target, err)
         except Exception:
             logger.exception("chaos: %s on %s failed", a.kind, a.target)
-        with self._lock:
+        if detail is not None:
+            logger.warning("chaos: injected %s on %s (%s)", a.kind, a.target, detail)
+            self.record(a.to_event(at, detail))
+        with self._lock:  # recorded first: the next fault on this target comes after it
+            self._pending.remove(a)
             if detail is None:
                 self.skipped += 1
-                return
-            self.injected += 1
-        logger.warning("chaos: injected %s on %s (%s)", a.kind, a.target, detail)
-        self.record(a.to_event(at, detail))
+            else:
+                self.injected += 1
 
     def _submit(self, a: FaultAction) -> None:
+        with self._lock:
+            if not any(p is a for p in self._pending):  # (a retry is in the list already)
+                self._pending.append(a)
         try:
             self._pool.submit(self._inject, a)
         except RuntimeError:  # closed: the run is over

@@ -273,6 +273,13 @@ STORM_LOSS_TOLERANCE = 0.9
 # Honest offers refused as stale: 0 in each of those 8 runs. Before a43a9d1, learners holding a
 # value under the number a fall-back renamed had every offer refused as stale for ~10 s (122-150).
 STORM_MAX_STALE_REFUSALS = 30
+# A straggler or a cut link that the storm's restarts hide: its learner's step-rate baseline is
+# taken while a restarted peer compiles on the same cores (the straggler comes 0.5 s after the
+# first kill), and a learner starved while it restarts was not training steadily. Their own
+# tests assert that each is seen; here each must be seen and recover, or go unseen. (A CI run at
+# load on 2026-11-26 reached its token ceiling, 4x the budget, with a fault unsettled; its log
+# did not say which.)
+STORM_MAY_GO_UNNOTICED = frozenset({"straggler", "cut_link"})
 
 
 @pytest.mark.slow
@@ -280,22 +287,24 @@ STORM_MAX_STALE_REFUSALS = 30
 def test_storm_of_mixed_faults(
     tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
 ) -> None:
+    cfg = chaos_config(tmp_path, "storm", STORM_BUDGET, STORM, False, jax_cache)
     with NodeReplacer(tpu_cluster):
-        run = run_chaos(chaos_config(tmp_path, "storm", STORM_BUDGET, STORM, False, jax_cache))
+        run = run_chaos(cfg, may_go_unnoticed=STORM_MAY_GO_UNNOTICED)
     check_run(
         run,
         reference_loss(STORM_BUDGET),
         rejections={"non_finite", "recovering", "unknown_learner"},  # (the synchronizer's kill)
         full_uptime=False,  # the synchronizer is down for a while
         tolerance=STORM_LOSS_TOLERANCE,
+        may_go_unnoticed=STORM_MAY_GO_UNNOTICED,
     )
     stale = run.summary["rejected"].get("stale_version", 0)
     assert stale <= STORM_MAX_STALE_REFUSALS, run.summary["rejected"]
     # A fault due while its learner is down (restarting) waits until it is back, however long
     # the restarts take (5 of 9 were injected at load 10 when such faults were skipped). Faults
-    # waiting for the same learner start together when it is back, and one whose call the
-    # other's kill interrupts counts as skipped: 8 of 9 in a CI run (corrupt_norm, beside
-    # kill_group).
+    # waiting for the same learner go one at a time when it is back, in schedule order (when
+    # they went together, the kill could interrupt the corruption's call: 8 of 9 in a CI run).
+    # One may still be skipped: a call to a host that times out (20 s) on a loaded machine.
     injected = [o.fault for o in run.outcomes]
     assert len(injected) >= len(STORM) - 1, injected
     assert {"kill_synchronizer", "kill_host"} <= set(injected), injected
