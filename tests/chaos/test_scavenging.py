@@ -17,32 +17,38 @@ import pytest
 from ray_diloco.config import build_config
 from ray_diloco.control.events import FailureDetected, LearnerJoined, LearnerLeft, RoundClosed
 from ray_diloco.control.tape import read_tape
-from tests.chaos.chaos_helpers import chaos_tree, training_uptime
+from tests.chaos.chaos_helpers import CEILING, chaos_tree, training_uptime
 from tests.cluster_helpers import add_cpu_host
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 SPARE_REGION = "asia-east1"
+FINISHED = "the test's steps done and the budget spent"
 
 
 class Background:
     """`run_training` on a thread: the test's main thread changes the cluster meanwhile
-    (`Cluster.add_node` must run on the main thread). Use as a context manager: a test that
-    fails ends the run before the module's cluster is torn down."""
+    (`Cluster.add_node` must run on the main thread). The run's `token_budget` is a ceiling:
+    it stops once the test called `finish()` and its planned budget (`inner.decay_tokens`) is
+    spent, however long the test's steps took (a new node's boot and compile take a minute at
+    load). Use as a context manager: a test that fails ends the run before the module's cluster
+    is torn down."""
 
     def __init__(self, cfg: Any) -> None:
         from ray_diloco.driver import run_training
 
         self.cfg, self.summary, self.error = cfg, None, None
-        self._abort = threading.Event()
+        self._abort, self._finish = threading.Event(), threading.Event()
+
+        def stop(sup: dict[str, Any]) -> str | None:
+            if self._abort.is_set():
+                return "test ended"
+            spent = sup["synchronizer"]["tokens"] >= cfg.inner.decay_tokens
+            return FINISHED if self._finish.is_set() and spent else None
 
         def run() -> None:
             try:
-                self.summary = run_training(
-                    cfg,
-                    progress=lambda line: None,
-                    stop_when=lambda sup: "test ended" if self._abort.is_set() else None,
-                )
+                self.summary = run_training(cfg, progress=lambda line: None, stop_when=stop)
             except BaseException as err:
                 self.error = err
 
@@ -67,7 +73,9 @@ class Background:
             assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
             time.sleep(0.5)
 
-    def result(self) -> dict[str, Any]:
+    def finish(self) -> dict[str, Any]:
+        """End the run once its planned budget is spent; its summary."""
+        self._finish.set()
         self.thread.join(timeout=240)
         assert self.error is None, self.error
         assert self.summary is not None
@@ -80,14 +88,14 @@ def _rounds(events: list[Any]) -> int:
 
 def _config(tmp_path: Path, name: str, budget: int, **elastic: Any) -> Any:
     tree = chaos_tree(budget, [])
-    tree.update(run_dir=str(tmp_path / name))
+    tree.update(run_dir=str(tmp_path / name), token_budget=CEILING * budget)
     tree["synchronizer"]["name"] = f"sync-{name}"
     tree["elastic"] = {"lease_tokens": 2048, **elastic}
     return build_config(tree, f"elastic test {name}")
 
 
 def _check_exact(summary: dict[str, Any], budget: int) -> None:
-    assert summary["tokens"] >= budget and summary["stop_reason"] == "token budget reached"
+    assert summary["tokens"] >= budget and summary["stop_reason"] == FINISHED
     assert summary["ledger_violations"] == []  # no token read twice, none lost or double-merged
     assert summary["tokens"] == sum(a["tokens"] for a in summary["learners"].values())
 
@@ -122,7 +130,7 @@ def test_spare_capacity_is_scavenged_then_drained_gracefully(
             assert accepted, why
             drained_t = max(e.t for e in run.events())
             run.wait_for("the leave", lambda ev: any(isinstance(e, LearnerLeft) for e in ev))
-            summary = run.result()
+            summary = run.finish()
     events = run.events()
     joined = [e for e in events if isinstance(e, LearnerJoined)]
     assert [(e.learner, e.reason) for e in joined] == [("spare-0", "scavenged")]
@@ -135,7 +143,7 @@ def test_spare_capacity_is_scavenged_then_drained_gracefully(
     # the others kept closing rounds: the global model never stalled
     assert [e for e in events if isinstance(e, RoundClosed) and e.t > drained_t]
     assert training_uptime(events, summary) == pytest.approx(1.0)
-    _check_exact(summary, cfg.token_budget)
+    _check_exact(summary, cfg.inner.decay_tokens)
 
 
 def _merged(run: Background, learner: str) -> int:
@@ -153,4 +161,3 @@ def _removed_at_exit(tpu_cluster: Any, node: Any) -> Iterator[None]:
         yield
     finally:
         tpu_cluster.cluster.remove_node(node, allow_graceful=False)
-
