@@ -4,8 +4,8 @@
 progress point: a JSON-ready dict that the driver appends to `run_dir/metrics.jsonl` and hands
 to its progress callback (the CLI's live display, `display.py`), and that the run report plots
 (`run_report.py`). Rates are measured between polls: tokens/s over the last `RATE_WINDOW_S`
-(not since the start, which boot and compile time would drag down for minutes), steps/s per
-learner since the previous poll. Per learner it also remembers since when the learner is in its
+(not since the start, which boot and compile time would drag down for minutes; of the boot,
+with no token yet, only its last poll counts), steps/s per learner since the previous poll. Per learner it also remembers since when the learner is in its
 state and when the synchronizer last merged one of its contributions.
 
 Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `heldout_loss`,
@@ -73,8 +73,12 @@ class ProgressTracker:
 
     def _token_rate(self, t: float, tokens: int) -> float:
         self._tokens.append((t, tokens))
-        while len(self._tokens) > 2 and t - self._tokens[0][0] > RATE_WINDOW_S:
-            self._tokens.popleft()  # samples of the last RATE_WINDOW_S, at least two
+        # Samples of the last RATE_WINDOW_S, at least two, and of the boot only the last one:
+        # seconds of compiling at 0 tokens in the window made the first ETA ten times too long.
+        while len(self._tokens) > 2 and (
+            t - self._tokens[0][0] > RATE_WINDOW_S or self._tokens[1][1] == 0
+        ):
+            self._tokens.popleft()
         t_old, tokens_old = self._tokens[0]
         return (tokens - tokens_old) / (t - t_old) if t > t_old else 0.0
 

@@ -57,6 +57,19 @@ def test_rates_are_measured_over_a_recent_window_not_since_the_start():
     assert p["learners"]["eu-0"]["last_merge_t"] is None  # nothing of it merged yet
 
 
+def test_the_first_rate_after_the_boot_leaves_the_boot_out():
+    # Polled every second: 25 s of boot at 0 tokens, then 1000 tokens/s. Within the 10 s window
+    # the boot's zeros said 300 tokens/s (an ETA three times too long); only its last poll, the
+    # moment before training began, belongs in the rate.
+    tracker = ProgressTracker(100_000, REGIONS)
+    training = {"us-0": "training", "eu-0": "training"}
+    for t in range(26):
+        tracker.point(float(t), *statuses(0, {}, {}, {"us-0": "compiling", "eu-0": "compiling"}))
+    for t, tokens in ((26, 1_000), (27, 2_000), (28, 3_000)):
+        p = tracker.point(float(t), *statuses(tokens, {"us-0": t}, {}, training))
+    assert p["tokens_per_s"] == 1_000.0 and p["eta_s"] == 97.0
+
+
 def test_a_restarted_learner_shows_since_when_it_is_down():
     tracker = ProgressTracker(100_000, REGIONS)
     up = {"us-0": "training", "eu-0": "training"}
