@@ -5,8 +5,9 @@ progress point: a JSON-ready dict that the driver appends to `run_dir/metrics.js
 to its progress callback (the CLI's live display, `display.py`), and that the run report plots
 (`run_report.py`). Rates are measured between polls: tokens/s over the last `RATE_WINDOW_S`
 (not since the start, which boot and compile time would drag down for minutes; of the boot,
-with no token yet, only its last poll counts), steps/s per learner since the previous poll. Per learner it also remembers since when the learner is in its
-state and when the synchronizer last merged one of its contributions.
+with no token yet, only its last poll counts), steps/s per learner since the previous poll.
+Per learner it also remembers since when the learner is in its state and when the
+synchronizer last merged one of its contributions.
 
 Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `heldout_loss`,
 `rounds`, `contributors` (mean per round), `live`, `goodput`, `uptime`, `restarts` and
