@@ -36,6 +36,7 @@ fails only once Ray declared the node dead), and a detection must never precede 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -152,8 +153,8 @@ class ChaosEngine:
     # -- injections (worker threads) ----------------------------------------------------------
 
     def _inject(self, a: FaultAction) -> None:
-        with self._lock:
-            earlier = self._pending[: self._pending.index(a)]
+        with self._lock:  # (by identity: two equal actions of a schedule are two faults)
+            earlier = itertools.takewhile(lambda p: p is not a, self._pending)
             if any(p.target == a.target for p in earlier):
                 self._later.call_later(WAIT_S, lambda: self._submit(a))
                 return
@@ -172,7 +173,7 @@ class ChaosEngine:
             logger.warning("chaos: injected %s on %s (%s)", a.kind, a.target, detail)
             self.record(a.to_event(at, detail))
         with self._lock:  # recorded first: the next fault on this target comes after it
-            self._pending.remove(a)
+            self._pending = [p for p in self._pending if p is not a]
             if detail is None:
                 self.skipped += 1
             else:

@@ -31,6 +31,7 @@ from ray_diloco.control.events import Event, FaultInjected, RoundClosed
 from ray_diloco.control.goodput import uptime
 from ray_diloco.control.recovery import FaultOutcome, fault_outcomes
 from ray_diloco.control.tape import read_tape
+from tests.stop_helpers import stop_after
 
 REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
 # Held-out loss may exceed the fault-free in-process reference run's (same config and seed) by
@@ -139,7 +140,6 @@ def run_chaos(cfg: RunConfig, may_go_unnoticed: frozenset[str] = frozenset()) ->
 
     budget = cfg.inner.decay_tokens or cfg.token_budget
     scheduled = len(cfg.chaos.schedule)
-    end = [budget]
     unnoticed_since: dict[tuple[str, float], float] = {}
 
     def played_out(f: dict[str, Any]) -> bool:
@@ -150,14 +150,10 @@ def run_chaos(cfg: RunConfig, may_go_unnoticed: frozenset[str] = frozenset()) ->
         first = unnoticed_since.setdefault((f["fault"], f["t"]), time.monotonic())
         return time.monotonic() - first >= UNNOTICED_GRACE_S
 
-    def stop(sup: dict[str, Any]) -> str | None:
-        # Once the faults played out, a quarter of the budget more: a recovery that came after
-        # the budget was spent (a synchronizer restart the learners trained through) must
-        # also show the training that follows it.
-        if len(end) == 1 and settled(sup, scheduled, played_out):
-            end.append(sup["synchronizer"]["tokens"] + budget // 4)
-        return SETTLED if len(end) == 2 and sup["synchronizer"]["tokens"] >= max(end) else None
-
+    # Once the faults played out, a quarter of the budget more: a recovery that came after the
+    # budget was spent (a synchronizer restart the learners trained through) must also show
+    # the training that follows it.
+    stop = stop_after(lambda sup: settled(sup, scheduled, played_out), budget, SETTLED)
     started = time.monotonic()
     summary = run_training(cfg, progress=lambda line: None, stop_when=stop)
     events = read_tape(Path(cfg.run_dir) / "events.jsonl")

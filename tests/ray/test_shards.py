@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from ray_diloco.config import RunConfig, load_config
+from tests.stop_helpers import stop_after
 
 pytestmark = pytest.mark.ray
 
+RESTORED = "shard restored and trained on"
 TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_train.yaml"
 
 
@@ -80,17 +82,9 @@ def test_a_killed_shard_stalls_only_its_fragments(ray_local: Any, tmp_path: Path
         "chaos.enabled=true",
         'chaos.schedule=[{"at_s": 2, "kind": "kill_synchronizer", "target": "1"}]',
     )
-    after: list[int] = []
-
-    def restored_and_trained_on(sup: dict[str, Any]) -> str | None:
-        s = sup["synchronizer"]
-        if s["restores"] and not after:
-            after.append(s["tokens"] + budget // 4)
-        done = after and s["tokens"] >= max(budget, after[0])
-        return "restored and trained on" if done else None
-
-    summary = run_training(cfg, progress=lambda line: None, stop_when=restored_and_trained_on)
-    assert summary["stop_reason"] == "restored and trained on", summary["stop_reason"]
+    stop = stop_after(lambda sup: sup["synchronizer"]["restores"] > 0, budget, RESTORED)
+    summary = run_training(cfg, progress=lambda line: None, stop_when=stop)
+    assert summary["stop_reason"] == RESTORED, summary["stop_reason"]
     assert summary["tokens"] >= budget
     assert summary["synchronizer_restores"] == 1 and summary["ledger_violations"] == []
     events = read_tape(Path(cfg.run_dir) / "events.jsonl")
