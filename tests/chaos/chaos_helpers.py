@@ -35,15 +35,23 @@ from tests.stop_helpers import stop_after
 
 REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
 # Held-out loss may exceed the fault-free in-process reference run's (same config and seed) by
-# this much. Ray runs are not step-for-step deterministic (wall-clock arrival order). Fault-free
-# Ray runs measured on 2 cores with step-time pacing: 2.15, 2.12, 2.40 (one-host learners,
-# reference 2.21) and 1.43 (reference 1.54); with the two-host v5p learner 1.91, 1.96, 2.15
-# (reference 1.65), and 2.27 once with a host killed: its decoupled runs land higher on Ray
-# although a synchronous two-host run matches the reference to 1e-4 (tests/ray/test_train.py),
-# so the gap is in wall-clock timing, not in the SPMD numerics (an open question). A merged
-# NaN or stale garbage ends far above either tolerance (the untrained model is at 5.56).
-LOSS_TOLERANCE = 0.6
-MULTI_HOST_LOSS_TOLERANCE = 0.9
+# this much. Ray runs are not step-for-step deterministic (wall-clock arrival order), and at
+# these budgets the loss curve is steep: a run that lost ground ends far up it. Measured on
+# 2 cores with step-time pacing:
+# - fault-free, one-host learners: 2.15, 2.12, 2.40 (reference 2.21) and 1.43 (reference 1.54);
+#   with the two-host v5p learner 1.91, 1.96, 2.15 (reference 1.65), and 2.27 once with a host
+#   killed: its decoupled runs land higher on Ray although a synchronous two-host run matches
+#   the reference to 1e-4 (tests/ray/test_train.py), so the gap is in wall-clock timing, not in
+#   the SPMD numerics (an open question);
+# - a 4 s link fault (reference 2.04): 1.60, 1.76 (cut) and 1.69, 2.01 (slow) idle; 1.98, 1.89
+#   (cut) and 2.02 (slow) at load 9; but 2.64 (cut) once in CI, beside the Ray tests
+#   (2026-11-26), when the one-fault bound was +0.6 (the runs had stood at 2.6 a third of the
+#   way through their budget; that run's cause is not known);
+# - the storm (reference 0.943): 0.87, 1.09, 1.13, 1.17, 1.37, 1.38, 1.52, 1.58 idle; when its
+#   synchronizer kill lands while both learners restart, the shard falls back to its checkpoint
+#   (up to 13 merged rounds rolled back, the outer momentum the checkpoint's): the highest.
+# A merged NaN or stale garbage ends far above it (the untrained model is at 5.56).
+LOSS_TOLERANCE = 0.9
 MIN_UPTIME_WINDOW_S = 4.0
 CEILING = 4
 SETTLED = "token budget reached and every fault settled"
@@ -189,7 +197,6 @@ def check_run(
     *,
     rejections: set[str] = frozenset(),  # type: ignore[assignment]
     full_uptime: bool = True,
-    tolerance: float = LOSS_TOLERANCE,
     may_go_unnoticed: frozenset[str] = frozenset(),
 ) -> None:
     """What every chaos run must show (issue 4); `may_go_unnoticed` as for `run_chaos`."""
@@ -224,7 +231,29 @@ def check_run(
     assert s["tokens"] == sum(a["tokens"] for a in s["learners"].values())
     # Quality: no worse than the fault-free reference run. (Faulted runs often end lower: a
     # restarted learner restarts from the global model with fresh optimizer moments.)
-    assert s["heldout_loss"] <= reference_loss + tolerance, (s["heldout_loss"], reference_loss)
+    assert s["heldout_loss"] <= reference_loss + LOSS_TOLERANCE, (
+        s["heldout_loss"],
+        reference_loss,
+        quality_context(s),
+    )
+
+
+def quality_context(s: dict[str, Any]) -> dict[str, Any]:
+    """What explains a run's held-out loss, for the message of a failed quality check: what
+    was refused or dropped, each learner's merges, and the last evaluations."""
+    return {
+        "tokens": s["tokens"],
+        "rejected": s["rejected"],
+        "tokens_dropped": s["tokens_dropped"],
+        "mean_contributors": s["mean_contributors"],
+        "learners": {
+            n: {k: a[k] for k in ("tokens", "contributions_merged", "restarts")}
+            for n, a in s["learners"].items()
+        },
+        "last_evals": [
+            {k: e[k] for k in ("t", "tokens", "rounds", "heldout_loss")} for e in s["evals"][-4:]
+        ],
+    }
 
 
 class NodeReplacer:
