@@ -8,7 +8,7 @@ smaller model and batch, so that a run has about 104 outer steps per fragment on
 M learners (8 each for M = 4; every other learner 18% slower, all with 10% jitter), 2.56M
 tokens (2,500 inner steps per learner for M = 4). Data-parallel takes the same global batch.
 
-    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~70 min)
+    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~2 h)
     python benchmarks/quality_horizon.py --quick    # tiny model, smoke check
 """
 
