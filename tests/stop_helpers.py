@@ -4,9 +4,10 @@ shard restored): their runs train to a token ceiling and stop themselves once it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-StopWhen = Callable[[dict[str, Any]], str | None]  # as `ray_diloco.driver` takes it
+if TYPE_CHECKING:  # (the driver imports Ray; the annotation alone needs no import at run time)
+    from ray_diloco.driver import StopWhen
 
 
 def stop_after(event: Callable[[dict[str, Any]], bool], budget: int, reason: str) -> StopWhen:
