@@ -26,7 +26,8 @@ QUICK = [*QUICK_MODEL, "token_budget=60000"]
 # round steps in full, a new version overwrites unsent work) and names what it changes; the
 # default config is the row DEFAULT.
 AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full", "diloco.keep_unsent_work=false"]
-DEFAULT = "decoupled K=1 grace, fraction step"
+DEFAULT = "decoupled K=1 grace, sqrt step"
+FRACTION_STEP = "decoupled K=1 grace, fraction step"
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
@@ -62,12 +63,12 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.publish_to=contributors",
         "diloco.round_step=share",
     ],
-    DEFAULT: ["diloco.round_step=fraction"],
+    FRACTION_STEP: ["diloco.round_step=fraction"],
     "decoupled K=1 no grace, fraction step": [
         "diloco.grace_fraction=0",
         "diloco.round_step=fraction",
     ],
-    f"{DEFAULT}, mean merge": ["diloco.round_step=fraction", "diloco.merge=mean"],
+    f"{FRACTION_STEP}, mean merge": ["diloco.round_step=fraction", "diloco.merge=mean"],
     "decoupled K=1 grace, keep unsent work, fraction step": [
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
@@ -85,7 +86,14 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.round_step=share",
     ],
     # The best outer lr for the default at 104 outer steps per fragment (quality_horizon.py).
-    f"{DEFAULT}, outer lr 1.4": ["diloco.round_step=fraction", "outer.lr=1.4"],
+    f"{FRACTION_STEP}, outer lr 1.4": ["diloco.round_step=fraction", "outer.lr=1.4"],
+    # A round as sqrt(share) of an outer step (the default): one learner of 4 takes half a step.
+    DEFAULT: ["diloco.round_step=sqrt"],
+    "decoupled K=1 no grace, sqrt step": ["diloco.grace_fraction=0", "diloco.round_step=sqrt"],
+    f"{DEFAULT}, mean merge": ["diloco.round_step=sqrt", "diloco.merge=mean"],
+    # The same outer lr where every round merges every learner (a full step either way).
+    "synchronous, outer lr 1.4": ["diloco.mode=synchronous", "outer.lr=1.4"],
+    "decoupled K=M, outer lr 1.4": ["diloco.quorum_min=4", "outer.lr=1.4"],
 }
 
 

@@ -47,7 +47,9 @@ SEEDS = (0, 1, 2)
 # As in quality.py: every variant starts from algorithm.md as written and names its change.
 AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full", "diloco.keep_unsent_work=false"]
 AS_WRITTEN_K1 = "decoupled K=1 grace"
-DEFAULT = "decoupled K=1 grace, fraction step"  # the config's defaults
+DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults
+SQRT = ["diloco.round_step=sqrt"]
+FRACTION_STEP = "decoupled K=1 grace, fraction step"
 FRACTION = ["diloco.round_step=fraction"]
 BEST_2M = "decoupled K=1 grace, contributors, share step"
 # name -> (overrides, learners, seeds)
@@ -59,7 +61,7 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     AS_WRITTEN_K1: ([], 4, SEEDS),
     BEST_2M: (["diloco.publish_to=contributors", "diloco.round_step=share"], 4, SEEDS),
     # A round as a fraction of an outer step, momentum included (round_step: fraction).
-    DEFAULT: (FRACTION, 4, SEEDS),
+    FRACTION_STEP: (FRACTION, 4, SEEDS),
     "decoupled K=1 no grace, fraction step": (["diloco.grace_fraction=0", *FRACTION], 4, SEEDS),
     "decoupled K=1 grace, contributors, fraction step": (
         ["diloco.publish_to=contributors", "diloco.round_step=fraction"],
@@ -106,23 +108,29 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         (0,),
     ),
     "decoupled K=1 grace, mean merge": (["diloco.merge=mean"], 4, (0,)),
-    f"{DEFAULT}, mean merge": ([*FRACTION, "diloco.merge=mean"], 4, (0,)),
+    f"{FRACTION_STEP}, mean merge": ([*FRACTION, "diloco.merge=mean"], 4, (0,)),
     "decoupled, M=1": ([], 1, (0,)),  # DiLoCo itself, without several learners
     "decoupled K=1 grace, M=2": ([], 2, (0,)),
     "decoupled K=1 grace, M=8": ([], 8, (0,)),
-    f"{DEFAULT}, M=2": (FRACTION, 2, (0,)),
-    f"{DEFAULT}, M=8": (FRACTION, 8, (0,)),
+    f"{FRACTION_STEP}, M=2": (FRACTION, 2, (0,)),
+    f"{FRACTION_STEP}, M=8": (FRACTION, 8, (0,)),
+    # A round as sqrt(share) of an outer step (the default): one learner of 4 takes half a step.
+    DEFAULT: (SQRT, 4, SEEDS),
+    "decoupled K=1 no grace, sqrt step": (["diloco.grace_fraction=0", *SQRT], 4, SEEDS),
+    f"{DEFAULT}, mean merge": ([*SQRT, "diloco.merge=mean"], 4, (0,)),
+    f"{DEFAULT}, M=2": (SQRT, 2, (0,)),
+    f"{DEFAULT}, M=8": (SQRT, 8, (0,)),
 }
 # The outer optimizer around the paper's (lr 0.7, Nesterov 0.9), M = 4: as written, and on
 # the default config.
 SWEEP: dict[str, list[str]] = {
     f"{name}, outer lr {lr}, momentum {m}": [*base, f"outer.lr={lr}", f"outer.momentum={m}"]
-    for name, base in ((AS_WRITTEN_K1, []), (DEFAULT, FRACTION))
+    for name, base in ((AS_WRITTEN_K1, []), (FRACTION_STEP, FRACTION))
     for lr, m in ((1.0, 0.9), (1.4, 0.9), (2.0, 0.9), (0.5, 0.9), (0.7, 0.5), (1.0, 0.5))
 }
 # The sweep runs seed 0; its best point on the default (outer lr 1.4: 1.727 against 1.755 at
 # 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26) runs every seed, as a candidate default.
-CANDIDATE = f"{DEFAULT}, outer lr 1.4, momentum 0.9"
+CANDIDATE = f"{FRACTION_STEP}, outer lr 1.4, momentum 0.9"
 
 
 def learners(num: int) -> list[dict[str, Any]]:

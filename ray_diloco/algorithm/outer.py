@@ -75,7 +75,7 @@ def outer_step(
     lr 1 and no momentum the new value is the merged learner value; `grad_scale[leaf]`, when
     given, multiplies it first (merge.scaled_outer_gradient leaves that to this pass).
 
-    `fraction` f < 1 takes that fraction of a step (`diloco.round_step: fraction`), with
+    `fraction` f < 1 takes that fraction of a step (`diloco.round_step: fraction` or `sqrt`), with
     b = momentum: `trace <- b^f * trace + c g` where c = (1 - b^f) / (1 - b), and `u = f (g +
     b * trace)` (Nesterov) or `f * trace`. Then 1/f rounds of gradient g decay the trace as one
     whole step does and add exactly g to it, and, without momentum, move G exactly as far; at

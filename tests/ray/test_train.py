@@ -273,8 +273,8 @@ def test_publishing_to_contributors_sends_each_learner_its_own_rounds(
         "contributors",
         "diloco.mode=decoupled",
         "diloco.publish_to=contributors",
-        # The step the bound below was measured with: the default fraction step moves G half
-        # as far per one-learner round, and in this 20k-token run ended at 5.47 in CI.
+        # The step the bound below was measured with: a fraction step moved G half as far
+        # per one-learner round, and in this 20k-token run ended at 5.47 in CI.
         "diloco.round_step=full",
         "token_budget=20000",
         "learners.1.speed=0.6",

@@ -56,11 +56,14 @@ def test_a_stale_contribution_adds_its_update_only_when_anchored_at_its_base(
     assert _moved(_values(core), v0) == pytest.approx(0.75 if kept else 0.5)
 
 
-@pytest.mark.parametrize(("round_step", "share"), [("share", 0.25), ("full", 1.0)])
+@pytest.mark.parametrize(
+    ("round_step", "step"), [("share", 0.25), ("fraction", 0.25), ("sqrt", 0.5), ("full", 1.0)]
+)
 def test_a_one_learner_round_steps_by_its_share_of_the_learners(
-    round_step: str, share: float
+    round_step: str, step: float
 ) -> None:
+    # share s = 1/4: "share" and "fraction" step s of the way, "sqrt" sqrt(s), "full" all of it
     core = _core(f"diloco.round_step={round_step}")
     v0 = _values(core)
     _offer(core, "c", base=0, update=0.5, now=0.1)  # 1 of the 4 live learners
-    assert _moved(_values(core), v0) == pytest.approx(0.5 * share)
+    assert _moved(_values(core), v0) == pytest.approx(0.5 * step)
