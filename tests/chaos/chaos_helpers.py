@@ -50,7 +50,9 @@ REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
 # - the storm (reference 0.943): 0.87, 1.09, 1.13, 1.17, 1.37, 1.38, 1.52, 1.58 idle; when its
 #   synchronizer kill lands while both learners restart, the shard falls back to its checkpoint
 #   (up to 13 merged rounds rolled back, the outer momentum the checkpoint's): the highest.
-# A merged NaN or stale garbage ends far above it (the untrained model is at 5.56).
+# A merged NaN or stale garbage ends far above it (the untrained model is at 5.56). These runs
+# had `round_step: full` or `fraction`; the references are the sqrt step's since 2026-11-26
+# (2.170 one-host, 2.285 two-host, 0.940 storm: each higher than before, as its runs are).
 LOSS_TOLERANCE = 0.9
 MIN_UPTIME_WINDOW_S = 4.0
 CEILING = 4
