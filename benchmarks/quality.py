@@ -85,7 +85,7 @@ VARIANTS: dict[str, list[str]] = {
         "outer.momentum=0.5",
         "diloco.round_step=share",
     ],
-    # The best outer lr for the default at 104 outer steps per fragment (quality_horizon.py).
+    # The fraction step's best outer lr at 104 outer steps per fragment (quality_horizon.py).
     f"{FRACTION_STEP}, outer lr 1.4": ["diloco.round_step=fraction", "outer.lr=1.4"],
     # A round as sqrt(share) of an outer step (the default): one learner of 4 takes half a step.
     DEFAULT: ["diloco.round_step=sqrt"],
