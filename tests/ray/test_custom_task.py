@@ -19,9 +19,7 @@ CUSTOM = Path(__file__).resolve().parents[1] / "fixtures" / "custom_task.yaml"
 def _falls(summary: dict[str, Any]) -> None:
     evals = [e["heldout_loss"] for e in summary["evals"]]
     assert summary["heldout_loss"] < 0.5 * evals[0], evals
-    # The norm guard may refuse an honest update (protective, as in the chaos suite): 14 in a
-    # CI-equivalent run at load on 2026-11-26; nothing else may be refused.
-    assert summary["ledger_violations"] == [] and set(summary["rejected"]) <= {"norm_outlier"}
+    assert summary["ledger_violations"] == [] and summary["rejected"] == {}
     assert all(a["contributions_merged"] > 0 for a in summary["learners"].values())
 
 
