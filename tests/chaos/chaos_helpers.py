@@ -52,8 +52,9 @@ REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
 #   (up to 13 merged rounds rolled back, the outer momentum the checkpoint's): the highest.
 # A merged NaN or stale garbage ends far above it (the untrained model is at 5.56). These runs
 # had `round_step: full` or `fraction`; the references are the sqrt step's since 2026-11-26
-# (2.170 one-host, 2.285 two-host, 0.940 storm). One CI-equivalent run on it (load ~2): one-host
-# 72k-token runs 1.65-2.27, the two-host kill 1.67, the storm 0.62.
+# (2.170 one-host, 2.285 two-host, 0.940 storm). One CI-equivalent run on it: one-host runs
+# 1.08-2.27 (the lowest trained on past 72k tokens while a fault recovered), the two-host kill
+# 1.67, the storm 0.62.
 LOSS_TOLERANCE = 0.9
 MIN_UPTIME_WINDOW_S = 4.0
 CEILING = 4
