@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundPolicy, Verdict
@@ -209,6 +211,43 @@ def test_norm_guard_arms_after_the_inner_warmup():
     assert list(book.fragments[0].norms) == [10.0]
     corrupt = meta("a", base=4, steps=4, step=32)
     assert book.offer(corrupt, now=0, update_norm=40.0 * 1e3) is Verdict.NORM_OUTLIER
+
+
+def test_norm_guard_judges_a_learner_against_its_own_history():
+    # A learner whose Adam moments have settled steps little; one that joined late (fresh
+    # moments) steps many times farther. Against the fragment's median the latecomer's every
+    # offer was refused (the custom task on Ray); each is judged against its own history now,
+    # and a newcomer, until it has 3 norms of its own, against the others' with the guard
+    # squared, which still refuses a corrupted update.
+    book = book_with(["a"], policy(norm_guard_warmup_rounds=1, max_staleness_versions=50))
+    for version in range(4):
+        m = meta("a", base=version, steps=4, step=4 * (version + 1))
+        assert book.offer(m, now=0, update_norm=0.4) is Verdict.ACCEPTED  # 0.1 per step
+        (close,) = book.poll(now=20.0)
+        book.commit(close, sync_time_s=0.0, now=20.0)
+    book.register("late", 0, now=0.0)
+    for i in range(3):  # 30x a's steps: within 10^2 of a's median
+        m = meta("late", base=4, steps=4, step=4 * (i + 1))
+        assert book.offer(m, now=0, update_norm=12.0) is Verdict.ACCEPTED
+    assert book.offer(meta("late", base=4, steps=4, step=16), now=0, update_norm=1.2e5) is (
+        Verdict.NORM_OUTLIER
+    )
+    assert book.offer(meta("late", base=4, steps=4, step=20), now=0, update_norm=16.0) is (
+        Verdict.ACCEPTED
+    )
+    # a at 20x its own steps is refused, though the fragment's median (now the latecomer's
+    # 3 per step) would pass it
+    assert book.offer(meta("a", base=4, steps=4, step=20), now=0, update_norm=8.0) is (
+        Verdict.NORM_OUTLIER
+    )
+    # a synchronizer restart keeps every learner's history (as JSON in the checkpoint)
+    restored = RoundBook(book.policy, num_fragments=1)
+    restored.load_state_dict(json.loads(json.dumps(book.state_dict())), now=0.0)
+    assert restored.fragments[0].own_norms == book.fragments[0].own_norms
+    assert list(restored.fragments[0].own_norms["late"]) == [3.0, 3.0, 3.0, 4.0]
+    # a restarted learner has fresh moments again: its history starts over
+    book.register("late", 1, now=0.0)
+    assert "late" not in book.fragments[0].own_norms
 
 
 def test_norm_guard_warm_up_counts_rounds_not_contributions():
