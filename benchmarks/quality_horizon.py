@@ -120,6 +120,11 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     f"{DEFAULT}, mean merge": ([*SQRT, "diloco.merge=mean"], 4, (0,)),
     f"{DEFAULT}, M=2": (SQRT, 2, (0,)),
     f"{DEFAULT}, M=8": (SQRT, 8, (0,)),
+    # The sqrt step with what helped the fraction step here (keep unsent work, contributors)
+    # and with the momentum that helped the full step (0.5).
+    f"{DEFAULT}, keep unsent work": ([*SQRT, "diloco.keep_unsent_work=true"], 4, SEEDS),
+    f"{DEFAULT}, contributors": ([*SQRT, "diloco.publish_to=contributors"], 4, SEEDS),
+    f"{DEFAULT}, outer momentum 0.5": ([*SQRT, "outer.momentum=0.5"], 4, SEEDS),
 }
 # The outer optimizer around the paper's (lr 0.7, Nesterov 0.9), M = 4: as written, and with
 # the fraction step (the default before the sqrt step).
