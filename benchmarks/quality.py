@@ -112,6 +112,7 @@ def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
         "mean_contributors": s.get("mean_contributors", 0.0),
         "bytes_per_token": s["bytes_per_token"],
         "dp_bytes_per_token": s["dp_bytes_per_token"],
+        "refused": s.get("rejected", {}),  # the synchronizer's refusals, by reason
         "wall_s": time.perf_counter() - t0,
         "evals": s["evals"],
     }

@@ -39,6 +39,10 @@ def _rate(gbps: float) -> str:
     return f"{gbps:.3g} Gbps" if gbps >= 1 else f"{1000 * gbps:.3g} Mbps"
 
 
+def _refused(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in counts.items()) or "0"
+
+
 def quality(data: dict[str, Any]) -> str:
     rows = [
         {
@@ -48,6 +52,8 @@ def quality(data: dict[str, Any]) -> str:
             "rounds": r["rounds"] or "-",
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
             "bytes/token": f"{r['bytes_per_token']:.4g}",
+            # rows run before 2026-11-27 did not record the synchronizer's refusals
+            "refused": _refused(r["refused"]) if "refused" in r else "not recorded",
         }
         for r in data["rows"]
     ]
@@ -55,9 +61,6 @@ def quality(data: dict[str, Any]) -> str:
 
 
 def quality_horizon(data: dict[str, Any]) -> str:
-    def refused(counts: dict[str, int]) -> str:
-        return ", ".join(f"{n} {reason}" for reason, n in counts.items()) or "0"
-
     rows = [
         {
             "variant": r["variant"],
@@ -71,7 +74,7 @@ def quality_horizon(data: dict[str, Any]) -> str:
                 f"{r['outer_steps_per_fragment']:.0f}" if r["rounds"] else "-"
             ),
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
-            "refused": refused(r["refused"]),
+            "refused": _refused(r["refused"]),
         }
         for r in data["rows"]
     ]
