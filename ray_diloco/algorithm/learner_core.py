@@ -184,6 +184,9 @@ class LearnerCore:
         state = inner.init_opt_state(self.tx, self.tree, self.params)
         if self.step:
             # Move every step count (the schedule's and Adam's) to where this learner stands.
+            # Adam's too: with its moments at zero and no bias correction, a restart's first
+            # steps are ~0.45 of a corrected one (b1 0.9, b2 0.95), which measured better than
+            # correcting them (goodput benchmark, decoupled, aggressive: 2.538 against 2.570).
             state = optax.tree_utils.tree_set(state, count=jnp.asarray(self.step, jnp.int32))
         # An SPMD learner's step would otherwise compile twice: its first call sees Adam's
         # counts on one device, every later call on the mesh (7 s more per restart here).
