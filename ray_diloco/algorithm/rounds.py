@@ -20,17 +20,17 @@ Guards (section 7) refuse, with a reason (`Verdict`), what must never reach the 
 the ledger: unknown learners, older incarnations, versions out of range, empty or implausible
 counters, a replay of work already taken, non-finite values, and an update whose own norm per
 inner step is more than `norm_guard` times the median of the learner's own recent ones
-(`norm_guard` squared times the others' for a learner without a history of its own yet).
+(`norm_guard` squared times everyone's for a learner without a history of its own yet;
+algorithm/guards.py).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_diloco.algorithm.guards import NormHistory, implausible
 from ray_diloco.algorithm.round_types import (
     ContributionMeta,
     Pending,
@@ -38,9 +38,6 @@ from ray_diloco.algorithm.round_types import (
     RoundPolicy,
     Verdict,
 )
-
-NORM_HISTORY = 32  # accepted per-step update norms kept per fragment for the running median
-OWN_HISTORY = 3  # a learner's own accepted norms before it is judged against them alone
 
 
 @dataclass
@@ -57,10 +54,8 @@ class _FragmentState:
     # on its schedule, while it waited, blocked, for rounds that needed the others' offers:
     # a deadlock (benchmarks/goodput.py, aggressive failures).
     excused: set[str] = field(default_factory=set)
-    # Per-step norms of accepted updates taken after the inner warm-up (the guard's median).
-    norms: deque[float] = field(default_factory=lambda: deque(maxlen=NORM_HISTORY))
-    # The same per learner, of its current incarnation (a restart begins with fresh moments).
-    own_norms: dict[str, deque[float]] = field(default_factory=dict)
+    # Per-step norms of accepted updates taken after the inner warm-up (the guard's medians).
+    norms: NormHistory = field(default_factory=NormHistory)
     # learner -> the inner step of its newest accepted contribution (of its incarnation).
     taken_step: dict[str, int] = field(default_factory=dict)
     # learner -> (base version, steps, tokens) of its counters already merged on that base,
@@ -125,7 +120,7 @@ class RoundBook:
             for frag in self.fragments.values():  # a new incarnation adopts every one afresh
                 frag.merged.pop(learner, None)
                 frag.taken_step.pop(learner, None)
-                frag.own_norms.pop(learner, None)
+                frag.norms.forget(learner)
                 fenced += self._fence_pending(frag, learner)
         # (The same incarnation registering again kept training through a synchronizer
         # restart: its counters still hold the work the restored book says was merged.)
@@ -231,9 +226,7 @@ class RoundBook:
                 return Verdict.EMPTY
         frag.taken_step[meta.learner] = meta.step
         if update_norm is not None and self._after_warmup(meta):
-            frag.norms.append(update_norm / meta.num_steps)
-            own = frag.own_norms.setdefault(meta.learner, deque(maxlen=NORM_HISTORY))
-            own.append(update_norm / meta.num_steps)
+            frag.norms.record(meta.learner, update_norm / meta.num_steps)
         old = frag.pending.get(meta.learner)
         if old is not None and old.meta.base_version < meta.base_version:
             # The learner's counters restart when it adopts a new version, so work in an entry
@@ -266,7 +259,7 @@ class RoundBook:
             return Verdict.STALE_VERSION
         if meta.num_steps <= 0 or meta.num_tokens <= 0:
             return Verdict.EMPTY
-        if self._implausible(meta, m):
+        if implausible(meta, m.tokens_per_step, self.policy.max_tokens):
             return Verdict.IMPLAUSIBLE
         if meta.step <= frag.taken_step.get(meta.learner, -1):
             # An incarnation's steps only grow: an offer no newer than one already taken is a
@@ -276,46 +269,22 @@ class RoundBook:
             return Verdict.NORM_OUTLIER
         return Verdict.ACCEPTED
 
-    def _implausible(self, meta: ContributionMeta, m: _Member) -> bool:
-        """Counters no honest learner sends: more steps since its base than it took in all,
-        more tokens than its steps can read, or more work than the whole run's budget (the
-        norm guard divides by the steps, and the merge weighs by the tokens: neither may be
-        inflated at will)."""
-        if meta.num_steps > meta.step:
-            return True
-        per_step = m.tokens_per_step
-        if per_step is not None and meta.num_tokens > meta.num_steps * per_step:
-            return True
-        work = max(meta.num_tokens, meta.num_steps * (per_step or 0))
-        return self.policy.max_tokens is not None and work > self.policy.max_tokens
-
     def _after_warmup(self, meta: ContributionMeta) -> bool:
         """Every step of the contribution came after the inner learning-rate warm-up."""
         return meta.step - meta.num_steps >= self.policy.inner_warmup_steps
 
     def _outlier(self, frag: _FragmentState, meta: ContributionMeta, norm: float) -> bool:
-        """The norm guard (algorithm.md section 7, revised): the learner's own update per inner
-        step against the median of its own recent ones. Its own update, because the distance
-        to the current global value includes other learners' drift; per step, because a
-        contribution covering more steps is longer by construction; only updates after the
-        inner warm-up, during which they grow tenfold. Against its own history, because a
-        learner that joined late or restarted (fresh Adam moments: steps of about the learning
-        rate per coordinate) moves many times farther per step than one whose moments have
-        settled: against the fragment's median a late learner of the custom task had all 14 of
-        its offers refused. Until it has `OWN_HISTORY` of its own it is judged against the
-        others' with `norm_guard` squared (a corrupted update, 1e4 times too long, is still
-        refused). Armed once the fragment closed `norm_guard_warmup_rounds` rounds (rounds, not
-        stored norms: with M learners one round adds M of them) and holds a norm from after the
-        warm-up."""
+        """The norm guard (algorithm.md section 7, revised; algorithm/guards.py judges):
+        the learner's own update per inner step against its own recent ones. Its own update,
+        because the distance to the current global value includes other learners' drift; per
+        step, because a contribution covering more steps is longer by construction; only
+        updates after the inner warm-up, during which they grow tenfold. Armed once the
+        fragment closed `norm_guard_warmup_rounds` rounds (rounds, not stored norms: with M
+        learners one round adds M of them) and holds a norm from after the warm-up."""
         warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
         if not (warm and frag.norms and self._after_warmup(meta)):
             return False
-        guard, per_step = self.policy.norm_guard, norm / meta.num_steps
-        own = frag.own_norms.get(meta.learner, ())
-        if len(own) >= OWN_HISTORY and (median := statistics.median(own)) > 0:
-            return per_step > guard * median
-        median = statistics.median(frag.norms)
-        return median > 0 and per_step > guard**2 * median
+        return frag.norms.outlier(meta.learner, norm / meta.num_steps, self.policy.norm_guard)
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
         if frag.quorum_s is not None or self._counted(frag) < self.quorum():
@@ -439,10 +408,8 @@ class RoundBook:
         Pending sets are not kept: their payloads live in memory and learners resend."""
         return {
             "versions": [f.version for f in self.fragments.values()],
-            "norms": [list(f.norms) for f in self.fragments.values()],
-            "own_norms": [
-                {n: list(d) for n, d in f.own_norms.items()} for f in self.fragments.values()
-            ],
+            "norms": [f.norms.state()[0] for f in self.fragments.values()],
+            "own_norms": [f.norms.state()[1] for f in self.fragments.values()],
             "sync_time_s": self.sync_time_s,
             "incarnations": {n: m.incarnation for n, m in self.members.items()},
             "roster": sorted(self.roster) if self.roster is not None else None,
@@ -457,9 +424,7 @@ class RoundBook:
             frags, state["versions"], state["norms"], own_norms, strict=True
         ):
             frag.version = int(v)
-            frag.norms.extend(float(x) for x in norms)
-            for name, history in own.items():
-                frag.own_norms[name] = deque((float(x) for x in history), maxlen=NORM_HISTORY)
+            frag.norms.load(norms, own)
         self.sync_time_s = float(state["sync_time_s"])
         # Remember incarnations so a process from before the restart stays fenced; it must
         # re-register (with the same or a newer incarnation) before it counts as live again.

@@ -43,6 +43,15 @@ def book_with(names, pol, step_time=1.0, num_fragments=1) -> RoundBook:
     return book
 
 
+def merge_rounds(book: RoundBook, learner: str, steps: int, update_norm: float) -> None:
+    """Four rounds of `learner` alone, each `steps` steps with this update norm, all merged."""
+    for version in range(4):
+        m = meta(learner, base=version, steps=steps, step=steps * (version + 1))
+        assert book.offer(m, now=0, update_norm=update_norm) is Verdict.ACCEPTED
+        (close,) = book.poll(now=20.0)
+        book.commit(close, sync_time_s=0.0, now=20.0)
+
+
 def test_grace_window_is_spent_slack_and_closes_on_expiry():
     # tau=2, slowest step 1 s, no sync time yet: quorum (K=1) reached at t=0.1 after the round
     # opened at t=0.1 -> slack = 2*1 - (0 + 0) = 2, grace = 0.5*2 = 1.0 s.
@@ -182,11 +191,7 @@ def test_norm_guard_judges_the_update_per_step():
     # A long contribution has a longer update by construction: 100 steps of the usual
     # per-step size pass; a 1e4x corrupted short one does not.
     book = book_with(["a"], policy(norm_guard_warmup_rounds=1, max_staleness_versions=50))
-    for version in range(4):
-        m = meta("a", base=version, steps=5, step=5 * (version + 1))
-        assert book.offer(m, now=0, update_norm=5.0) is Verdict.ACCEPTED  # 1 per step
-        (close,) = book.poll(now=20.0)
-        book.commit(close, sync_time_s=0.0, now=20.0)
+    merge_rounds(book, "a", steps=5, update_norm=5.0)  # 1 per step
     long = meta("a", base=4, steps=100, step=120)
     assert book.offer(long, now=0, update_norm=100.0 * 5) is Verdict.ACCEPTED  # 5 per step
     huge = meta("a", base=4, steps=2, step=122)
@@ -198,17 +203,13 @@ def test_norm_guard_arms_after_the_inner_warmup():
     # the first full-rate update is not refused against them.
     pol = policy(norm_guard_warmup_rounds=1, inner_warmup_steps=20, max_staleness_versions=50)
     book = book_with(["a"], pol)
-    for version in range(4):  # steps 1..16: inside the warm-up
-        m = meta("a", base=version, steps=4, step=4 * (version + 1))
-        assert book.offer(m, now=0, update_norm=0.04) is Verdict.ACCEPTED
-        (close,) = book.poll(now=20.0)
-        book.commit(close, sync_time_s=0.0, now=20.0)
-    assert list(book.fragments[0].norms) == []
+    merge_rounds(book, "a", steps=4, update_norm=0.04)  # steps 1..16: inside the warm-up
+    assert list(book.fragments[0].norms.everyone) == []
     straddles = meta("a", base=4, steps=8, step=24)  # steps 17..24: partly in the warm-up
     assert book.offer(straddles, now=0, update_norm=80.0) is Verdict.ACCEPTED
     after = meta("a", base=4, steps=4, step=28)  # steps 25..28, history still empty
     assert book.offer(after, now=0, update_norm=40.0) is Verdict.ACCEPTED
-    assert list(book.fragments[0].norms) == [10.0]
+    assert list(book.fragments[0].norms.everyone) == [10.0]
     corrupt = meta("a", base=4, steps=4, step=32)
     assert book.offer(corrupt, now=0, update_norm=40.0 * 1e3) is Verdict.NORM_OUTLIER
 
@@ -220,11 +221,7 @@ def test_norm_guard_judges_a_learner_against_its_own_history():
     # and a newcomer, until it has 3 norms of its own, against the others' with the guard
     # squared, which still refuses a corrupted update.
     book = book_with(["a"], policy(norm_guard_warmup_rounds=1, max_staleness_versions=50))
-    for version in range(4):
-        m = meta("a", base=version, steps=4, step=4 * (version + 1))
-        assert book.offer(m, now=0, update_norm=0.4) is Verdict.ACCEPTED  # 0.1 per step
-        (close,) = book.poll(now=20.0)
-        book.commit(close, sync_time_s=0.0, now=20.0)
+    merge_rounds(book, "a", steps=4, update_norm=0.4)  # 0.1 per step
     book.register("late", 0, now=0.0)
     for i in range(3):  # 30x a's steps: within 10^2 of a's median
         m = meta("late", base=4, steps=4, step=4 * (i + 1))
@@ -243,11 +240,11 @@ def test_norm_guard_judges_a_learner_against_its_own_history():
     # a synchronizer restart keeps every learner's history (as JSON in the checkpoint)
     restored = RoundBook(book.policy, num_fragments=1)
     restored.load_state_dict(json.loads(json.dumps(book.state_dict())), now=0.0)
-    assert restored.fragments[0].own_norms == book.fragments[0].own_norms
-    assert list(restored.fragments[0].own_norms["late"]) == [3.0, 3.0, 3.0, 4.0]
+    assert restored.fragments[0].norms.own == book.fragments[0].norms.own
+    assert list(restored.fragments[0].norms.own["late"]) == [3.0, 3.0, 3.0, 4.0]
     # a restarted learner has fresh moments again: its history starts over
     book.register("late", 1, now=0.0)
-    assert "late" not in book.fragments[0].own_norms
+    assert "late" not in book.fragments[0].norms.own
 
 
 def test_norm_guard_warm_up_counts_rounds_not_contributions():

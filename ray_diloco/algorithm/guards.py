@@ -1,0 +1,75 @@
+"""Layer: algorithm (pure, no Ray, no arrays). The guards that judge a contribution's numbers
+(algorithm.md section 7; the round state machine in rounds.py applies them in order): its
+counters (`implausible`) and its norm (`NormHistory`, armed by rounds.py).
+
+The norm guard's statistic is a contribution's own update (its delta to its base) per inner
+step, kept for updates taken after the inner warm-up. A learner is judged against the median of
+its own recent ones: a learner that joined late or restarted (fresh Adam moments: steps of
+about the learning rate per coordinate) moves many times farther per step than one whose
+moments have settled, and against the fragment's median a late learner of the custom task had
+all 14 of its offers refused. Until it has `OWN_HISTORY` of its own it is judged against
+everyone's with the guard squared, which still refuses a corrupted update (1e4 times too long).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ray_diloco.algorithm.round_types import ContributionMeta
+
+NORM_HISTORY = 32  # accepted per-step update norms kept for each running median
+OWN_HISTORY = 3  # a learner's own accepted norms before it is judged against them alone
+
+
+def implausible(
+    meta: ContributionMeta, tokens_per_step: int | None, max_tokens: int | None
+) -> bool:
+    """Counters no honest learner sends: more steps since its base than it took in all, more
+    tokens than its steps can read, or more work than the whole run's budget (the norm guard
+    divides by the steps, and the merge weighs by the tokens: neither may be inflated at will)."""
+    if meta.num_steps > meta.step:
+        return True
+    if tokens_per_step is not None and meta.num_tokens > meta.num_steps * tokens_per_step:
+        return True
+    work = max(meta.num_tokens, meta.num_steps * (tokens_per_step or 0))
+    return max_tokens is not None and work > max_tokens
+
+
+def _history(values: Iterable[float] = ()) -> deque[float]:
+    return deque((float(x) for x in values), maxlen=NORM_HISTORY)
+
+
+@dataclass
+class NormHistory:
+    """One fragment's per-step norms: everyone's, and each learner's of its incarnation."""
+
+    everyone: deque[float] = field(default_factory=_history)
+    own: dict[str, deque[float]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.everyone)
+
+    def record(self, learner: str, per_step: float) -> None:
+        self.everyone.append(per_step)
+        self.own.setdefault(learner, _history()).append(per_step)
+
+    def forget(self, learner: str) -> None:
+        """A new incarnation of `learner` starts with fresh moments: its history starts over."""
+        self.own.pop(learner, None)
+
+    def outlier(self, learner: str, per_step: float, guard: float) -> bool:
+        own = self.own.get(learner, ())
+        if len(own) >= OWN_HISTORY and (median := statistics.median(own)) > 0:
+            return per_step > guard * median
+        median = statistics.median(self.everyone) if self.everyone else 0.0
+        return median > 0 and per_step > guard**2 * median
+
+    def state(self) -> tuple[list[float], dict[str, list[float]]]:
+        return list(self.everyone), {n: list(d) for n, d in self.own.items()}
+
+    def load(self, everyone: Iterable[float], own: Mapping[str, Iterable[float]]) -> None:
+        self.everyone.extend(float(x) for x in everyone)
+        self.own.update({n: _history(d) for n, d in own.items()})
