@@ -6,6 +6,11 @@ the very programs its predecessor compiled; with the cache in `run_dir/jax_cache
 instead, which is most of the difference between a restart of seconds and one of tens of
 seconds. Every entry is kept, however small or quick to compile (both thresholds 0). Call it
 before the process compiles anything.
+
+A cache named by JAX's own `JAX_COMPILATION_CACHE_DIR` in the process's environment wins: one
+cache shared by many runs (a sweep, a test session) compiles each program once. Ray's workers
+inherit their node's environment (an embedded local Ray's is the driver's); on a cluster, set it
+in the job's `runtime_env` `env_vars`.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ logger = logging.getLogger(__name__)
 
 
 def use_compilation_cache(cfg: RunConfig) -> str:
-    """Point JAX at `run_dir/jax_cache`; returns the directory."""
+    """Point JAX at the run's cache, `run_dir/jax_cache` (see `use_compilation_cache_dir`);
+    returns the directory."""
     return use_compilation_cache_dir(os.path.join(cfg.run_dir, "jax_cache"))
 
 
 def use_compilation_cache_dir(directory: str) -> str:
-    """Point JAX at `directory`, keeping every entry; returns the directory."""
+    """Point JAX at `directory`, or at `JAX_COMPILATION_CACHE_DIR` where the environment
+    names one, keeping every entry; returns the directory used."""
     import jax
 
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or directory
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

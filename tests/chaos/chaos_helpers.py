@@ -110,18 +110,12 @@ def chaos_config(
     budget: int,
     faults: list[dict[str, Any]],
     multi_host: bool = False,
-    jax_cache: Path | None = None,
 ) -> RunConfig:
     """The run's config, with its budget raised to `CEILING` times `budget` (`run_chaos` stops
-    it); `jax_cache`: a directory the run's JAX compilation cache (`run_dir/jax_cache`) links
-    to, so runs of one module compile the same programs once."""
+    it)."""
     tree = chaos_tree(budget, faults, multi_host)
-    run_dir = tmp_path / name
-    tree.update(run_dir=str(run_dir), token_budget=budget * CEILING)
+    tree.update(run_dir=str(tmp_path / name), token_budget=budget * CEILING)
     tree["synchronizer"]["name"] = f"sync-{name}"
-    if jax_cache is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "jax_cache").symlink_to(jax_cache, target_is_directory=True)
     return build_config(tree, f"chaos test {name}")
 
 

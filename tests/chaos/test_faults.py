@@ -75,22 +75,15 @@ def reference_loss(request: pytest.FixtureRequest) -> Callable[..., float]:
     return loss
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One JAX compilation cache for the module's runs (they compile the same programs)."""
-    return tmp_path_factory.mktemp("jax_cache")
-
-
 def run_one(
     tmp_path: Path,
-    jax_cache: Path,
     name: str,
     fault: dict[str, Any],
     budget: int = BUDGET,
     multi_host: bool = False,
 ) -> ChaosRun:
     faults = [{"at_s": 2.0, **fault}]  # seconds after every learner trains (unless given)
-    return run_chaos(chaos_config(tmp_path, name, budget, faults, multi_host, jax_cache))
+    return run_chaos(chaos_config(tmp_path, name, budget, faults, multi_host))
 
 
 def failures(run: ChaosRun, learner: str) -> list[FailureDetected]:
@@ -99,12 +92,12 @@ def failures(run: ChaosRun, learner: str) -> list[FailureDetected]:
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_kill_host_restarts_the_whole_multi_host_learner(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
     # The v5p learner spans both hosts of the slice (one jax.distributed job): killing one host
     # fences and restarts the whole group, which must rejoin while `eu` alone keeps training.
     fault = {"kind": "kill_host", "target": "v5p"}
-    run = run_one(tmp_path, jax_cache, "kill-host", fault, multi_host=True)
+    run = run_one(tmp_path, "kill-host", fault, multi_host=True)
     check_run(run, reference_loss(BUDGET, multi_host=True))
     (failure,) = failures(run, "v5p")
     assert failure.failure is FailureKind.CRASH
@@ -114,24 +107,22 @@ def test_kill_host_restarts_the_whole_multi_host_learner(
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_kill_group(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
-) -> None:
+def test_kill_group(tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference) -> None:
     fault = {"kind": "kill_group", "target": "eu"}
-    run = run_one(tmp_path, jax_cache, "kill-group", fault)
+    run = run_one(tmp_path, "kill-group", fault)
     check_run(run, reference_loss(BUDGET))
     assert [f.failure for f in failures(run, "eu")] == [FailureKind.CRASH]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_remove_node_rebuilds_the_group_elsewhere(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
     # The raylet of `us`'s node dies; the group is rebuilt on the other us-east5 host while
     # the node replacer brings a host with the same slice identity back for later tests.
     with NodeReplacer(tpu_cluster) as replacer:
         fault = {"kind": "remove_node", "target": "us"}
-        run = run_one(tmp_path, jax_cache, "remove-node", fault)
+        run = run_one(tmp_path, "remove-node", fault)
     check_run(run, reference_loss(BUDGET))
     assert len(replacer.replaced) == 1 and replacer.replaced[0][0] == "v5p"
     (failure,) = failures(run, "us")
@@ -140,10 +131,10 @@ def test_remove_node_rebuilds_the_group_elsewhere(
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_hang_host_is_detected_by_heartbeat_timeout(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
     fault = {"kind": "hang_host", "target": "us", "duration_s": 5}
-    run = run_one(tmp_path, jax_cache, "hang-host", fault)
+    run = run_one(tmp_path, "hang-host", fault)
     check_run(run, reference_loss(BUDGET))
     (failure,) = failures(run, "us")
     assert failure.failure is FailureKind.HANG
@@ -157,10 +148,10 @@ def test_hang_host_is_detected_by_heartbeat_timeout(
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_straggler_is_seen_but_never_restarted(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
     fault = {"kind": "straggler", "target": "eu", "duration_s": 4, "factor": 5}
-    run = run_one(tmp_path, jax_cache, "straggler", fault)
+    run = run_one(tmp_path, "straggler", fault)
     check_run(run, reference_loss(BUDGET))
     assert failures(run, "eu") == []
 
@@ -172,13 +163,12 @@ def test_straggler_is_seen_but_never_restarted(
 def test_link_faults_starve_the_region_then_recover(
     tpu_cluster: TpuCluster,
     tmp_path: Path,
-    jax_cache: Path,
     reference_loss: Reference,
     kind: str,
     factor: float,
 ) -> None:
     fault = {"kind": kind, "target": EU, "duration_s": 4, "factor": factor}
-    run = run_one(tmp_path, jax_cache, kind, fault)
+    run = run_one(tmp_path, kind, fault)
     check_run(run, reference_loss(BUDGET))
     assert run.outcome(kind).learner == "eu"
     assert failures(run, "eu") == []
@@ -186,9 +176,9 @@ def test_link_faults_starve_the_region_then_recover(
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_nan_contribution_is_rejected_and_the_learner_restarted(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
-    run = run_one(tmp_path, jax_cache, "corrupt-nan", {"kind": "corrupt_nan", "target": "eu"})
+    run = run_one(tmp_path, "corrupt-nan", {"kind": "corrupt_nan", "target": "eu"})
     check_run(run, reference_loss(BUDGET), rejections={"non_finite"})
     assert run.summary["rejected"]["non_finite"] == 1
     assert [f.failure for f in failures(run, "eu")] == [FailureKind.NUMERICAL]
@@ -196,12 +186,12 @@ def test_nan_contribution_is_rejected_and_the_learner_restarted(
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_huge_contribution_is_rejected_by_the_norm_guard(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
     # The norm guard judges a fragment's contributions only after its first
     # `norm_guard_warmup_rounds` rounds (norms still swing then): corrupt after those.
     fault = {"kind": "corrupt_norm", "target": "us", "at_s": 6.0}
-    run = run_one(tmp_path, jax_cache, "corrupt-norm", fault)
+    run = run_one(tmp_path, "corrupt-norm", fault)
     check_run(run, reference_loss(BUDGET))
     assert run.summary["rejected"]["norm_outlier"] >= 1
     assert failures(run, "us") == []  # the guard protected the model: no restart needed
@@ -212,7 +202,6 @@ def test_huge_contribution_is_rejected_by_the_norm_guard(
 def test_kill_synchronizer_loses_no_round(
     tpu_cluster: TpuCluster,
     tmp_path: Path,
-    jax_cache: Path,
     reference_loss: Reference,
     during_checkpoint: bool,
 ) -> None:
@@ -224,7 +213,7 @@ def test_kill_synchronizer_loses_no_round(
     # 5 s, at 2.73). `diloco.accelerate: window` takes it as it is (tests/unit/test_outage.py).
     at_s = round(random.uniform(1.0, 8.0), 2)
     fault = {"kind": "kill_synchronizer", "at_s": at_s, "during_checkpoint": during_checkpoint}
-    run = run_one(tmp_path, jax_cache, "kill-sync", fault)
+    run = run_one(tmp_path, "kill-sync", fault)
     # Without its synchronizer the global model cannot advance: no full uptime here.
     # Offers of a fragment being recovered are refused (and sent again once it is back), and
     # so are those of a learner the restarted shard has not seen register again yet.
@@ -278,9 +267,9 @@ STORM_MAY_GO_UNNOTICED = frozenset({"straggler", "cut_link"})
 @pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_storm_of_mixed_faults(
-    tpu_cluster: TpuCluster, tmp_path: Path, jax_cache: Path, reference_loss: Reference
+    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
-    cfg = chaos_config(tmp_path, "storm", STORM_BUDGET, STORM, False, jax_cache)
+    cfg = chaos_config(tmp_path, "storm", STORM_BUDGET, STORM)
     with NodeReplacer(tpu_cluster):
         run = run_chaos(cfg, may_go_unnoticed=STORM_MAY_GO_UNNOTICED)
     check_run(
