@@ -50,7 +50,8 @@ def write_results(
 ) -> Path:
     """Print the table and write JSON + dated markdown; returns the markdown path."""
     out.mkdir(parents=True, exist_ok=True)
-    command = "python " + " ".join([f"benchmarks/{name}.py", *sys.argv[1:]])
+    # the script that ran (`name` is e.g. "goodput-quick" for a --quick run of goodput.py)
+    command = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     meta = {"command": command, "machine": machine(), "date": dt.date.today().isoformat(), **meta}
     table = markdown_table(rows, columns)
     print(table)
