@@ -288,7 +288,7 @@ def test_publishing_to_contributors_sends_each_learner_its_own_rounds(
     # Rounds moved the global model: its best held-out loss, not its last, which is not this
     # test's business. With K = 1 a contribution is anchored at G's current value, so one built
     # on an old G drags G back, and publishing to contributors leaves a slow learner's G old
-    # more often. Measured from 5.56 (paced, the default sqrt step): best 2.97-3.11 in 8 runs,
+    # more often. Measured from 5.56 (paced, the default sqrt step): best 2.97-3.16 in 8 runs,
     # idle and beside 3 busy processes; last 2.97-3.41, but 5.76 once at load (from 3.11, in
     # the run's last 2 s; not examined). With `round_step: full` the last was 10.0 once, idle.
     # Quality is measured by benchmarks/quality.py on the virtual clock.
