@@ -70,12 +70,8 @@ def run_training(
     try:
         # Before any actor starts: a task that cannot be built, fragmented or trained ends
         # the run here with one error line (JAX in the driver, after Ray has started).
-        from ray_diloco.actors.compile_cache import use_compilation_cache
         from ray_diloco.algorithm.setup import check_task
 
-        # The check compiles a train step and the evaluation as the learners do: with the
-        # run's cache, a resumed driver loads them (in a process that compiled nothing yet).
-        use_compilation_cache(cfg)
         logger.info("task checked: %s", check_task(cfg))
         run_dir, elapsed_s = _prepare_run_dir(cfg)
         cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd

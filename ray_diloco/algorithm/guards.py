@@ -49,9 +49,6 @@ class NormHistory:
     everyone: deque[float] = field(default_factory=_history)
     own: dict[str, deque[float]] = field(default_factory=dict)
 
-    def __bool__(self) -> bool:
-        return bool(self.everyone)
-
     def record(self, learner: str, per_step: float) -> None:
         self.everyone.append(per_step)
         self.own.setdefault(learner, _history()).append(per_step)

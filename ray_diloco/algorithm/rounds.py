@@ -282,7 +282,7 @@ class RoundBook:
         fragment closed `norm_guard_warmup_rounds` rounds (rounds, not stored norms: with M
         learners one round adds M of them) and holds a norm from after the warm-up."""
         warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
-        if not (warm and frag.norms and self._after_warmup(meta)):
+        if not (warm and frag.norms.everyone and self._after_warmup(meta)):
             return False
         return frag.norms.outlier(meta.learner, norm / meta.num_steps, self.policy.norm_guard)
 
@@ -406,10 +406,11 @@ class RoundBook:
     def state_dict(self) -> dict[str, Any]:
         """What survives a synchronizer restart: versions, norm history, learned sync time.
         Pending sets are not kept: their payloads live in memory and learners resend."""
+        norms = [f.norms.state() for f in self.fragments.values()]
         return {
             "versions": [f.version for f in self.fragments.values()],
-            "norms": [f.norms.state()[0] for f in self.fragments.values()],
-            "own_norms": [f.norms.state()[1] for f in self.fragments.values()],
+            "norms": [everyone for everyone, _ in norms],
+            "own_norms": [own for _, own in norms],
             "sync_time_s": self.sync_time_s,
             "incarnations": {n: m.incarnation for n, m in self.members.items()},
             "roster": sorted(self.roster) if self.roster is not None else None,
