@@ -124,7 +124,7 @@ def goodput_at(
 
 
 def needed_bandwidth(job: tuple[str, str, bool, int]) -> tuple[str, str, float]:
-    """Smallest bandwidth (Gbps, within 10%; within 2x for --quick) at which goodput >=
+    """Smallest bandwidth (Gbps, within 10%; within 4x for --quick) at which goodput >=
     TARGET, by bisection on a log scale between 1 Mbps and 100 Gbps."""
     mode, wire, quick, budget = job
     overrides = list(MODES[mode])
@@ -135,7 +135,7 @@ def needed_bandwidth(job: tuple[str, str, bool, int]) -> tuple[str, str, float]:
     lo, hi = math.log(1e-3), math.log(100.0)
     if goodput_at(mode, overrides, math.exp(hi), quick, budget, free) < TARGET:
         return mode, wire, math.inf
-    while hi - lo > math.log(2.0 if quick else 1.1):
+    while hi - lo > math.log(4.0 if quick else 1.1):
         mid = (lo + hi) / 2
         if goodput_at(mode, overrides, math.exp(mid), quick, budget, free) >= TARGET:
             hi = mid
@@ -148,9 +148,9 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
     args = p.parse_args()
-    budget = 60_000 if args.quick else 500_000
-    h100_budget = 60_000 if args.quick else 2_000_000
-    sweep_budget = 40_000 if args.quick else 200_000
+    budget = 30_000 if args.quick else 500_000
+    h100_budget = 30_000 if args.quick else 2_000_000
+    sweep_budget = 20_000 if args.quick else 200_000
     rows_h24 = QUICK_ROWS if args.quick else H24
     jobs = [(m, w, "H=24", args.quick, budget) for m, ws in rows_h24.items() for w in ws]
     if not args.quick:

@@ -28,7 +28,7 @@ from ray_diloco.sim.simulate import run_reference
 from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
 
 CONFIG = REFERENCE
-QUICK = [*QUICK_MODEL, "token_budget=80000"]
+QUICK = [*QUICK_MODEL, "token_budget=40000"]
 STEP_S = 0.05
 INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP_S}
 MODES = ["decoupled", "synchronous", "data_parallel"]
@@ -36,7 +36,7 @@ MODES = ["decoupled", "synchronous", "data_parallel"]
 
 def run(mode: str, mtbf_s: float | None, quick: bool) -> dict[str, Any]:
     if mtbf_s and quick:
-        mtbf_s /= 20  # the quick run is ~20x shorter: keep a few failures in it
+        mtbf_s /= 40  # the quick run is ~40x shorter: keep a few failures in it
     chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf_s}"] if mtbf_s else []
     overrides = [
         *(QUICK if quick else ["token_budget=1000000"]),
