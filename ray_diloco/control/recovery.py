@@ -25,7 +25,8 @@ with repeated faults on one learner is attributed in order. A fault on a learner
 fault takes down (lethal or corrupt_nan) before the first one was detected and recovered from
 is `superseded`: the later fault killed the process that would have shown it (a corruption
 waiting for the next contribution, a restarted learner that had not contributed yet), and the
-events after belong to the later fault. The chaos tests and `benchmarks/recovery.py` read
+events after belong to the later fault. So is a synchronizer kill whose shard is killed again
+before it was restored. The chaos tests and `benchmarks/recovery.py` read
 their numbers from here.
 """
 
@@ -95,12 +96,14 @@ def fault_outcomes(events: Iterable[Event], regions: Mapping[str, str]) -> list[
     return out
 
 
-def _takes_down(e: Event, learner: str | None) -> bool:
-    return (
-        isinstance(e, FaultInjected)
-        and e.target == learner
-        and (e.fault in LETHAL or e.fault == "corrupt_nan")
-    )
+def _takes_down(e: Event, fault: FaultInjected) -> bool:
+    """Whether `e` is a later fault that takes down what `fault` hit: its learner, or (a
+    synchronizer kill) the same shard again."""
+    if not isinstance(e, FaultInjected) or e.target != fault.target:
+        return False
+    if fault.fault == "kill_synchronizer":
+        return e.fault == "kill_synchronizer"
+    return e.fault in LETHAL or e.fault == "corrupt_nan"
 
 
 def _find(
@@ -175,10 +178,11 @@ def _outcome(
         def recover(who: str | None) -> Match:
             return lambda e: isinstance(e, SynchronizerRestored) and e.shard == shard
 
-    # Where a later fault takes the same learner down: what follows is that fault's.
+    # Where a later fault takes the same learner (or shard) down: what follows is that
+    # fault's. A shard killed again while it restores comes back once, for the second kill.
     end = None
-    if kind in LETHAL or kind.startswith("corrupt_"):
-        end = next((j for j in range(i + 1, len(evs)) if _takes_down(evs[j], target)), None)
+    if kind in LETHAL or kind.startswith("corrupt_") or kind == "kill_synchronizer":
+        end = next((j for j in range(i + 1, len(evs)) if _takes_down(evs[j], fault)), None)
     d = _find(evs, i + 1, used, detect, end)
     if d is None:
         return FaultOutcome(kind, target, fault.t, learner, None, None, end is not None)

@@ -201,8 +201,10 @@ def test_kill_synchronizer_loses_no_round(
     tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
     # Killed twice: at a random moment (not a fixed one: a checkpoint, a round close or a
-    # publication in flight may be what the kill interrupts), then right after a checkpoint
-    # write began. (A kill due while the shard restores waits for it: its status call does.)
+    # publication in flight may be what the kill interrupts), then 8 s later right after a
+    # checkpoint write began. On a busy machine the second kill lands while the shard is still
+    # recovering from the first (beside two busy processes, measured): it then comes back once,
+    # and the first kill counts as superseded (`control/recovery.py`).
     # From the first second: learners that trained through a long restart before any round
     # merged (34 s at load 26) each left the untrained model alone; the first merge of such
     # work, taken through the outer momentum as a whole, ended at 4.0 (and an 18 s restart at
@@ -210,7 +212,7 @@ def test_kill_synchronizer_loses_no_round(
     at_s = round(random.uniform(1.0, 8.0), 2)
     faults = [
         {"kind": "kill_synchronizer", "at_s": at_s},
-        {"kind": "kill_synchronizer", "at_s": at_s + 12.0, "during_checkpoint": True},
+        {"kind": "kill_synchronizer", "at_s": at_s + 8.0, "during_checkpoint": True},
     ]
     run = run_chaos(chaos_config(tmp_path, "kill-sync", BUDGET, faults))
     # Without its synchronizer the global model cannot advance: no full uptime here.
@@ -222,11 +224,13 @@ def test_kill_synchronizer_loses_no_round(
         rejections={"recovering", "unknown_learner"},
         full_uptime=False,
     )
+    first, second = run.outcomes
+    assert second.recovered_t is not None and (first.recovered_t is not None or first.superseded)
     restored = [e for e in run.events if isinstance(e, SynchronizerRestored)]
-    assert [e.rounds_lost for e in restored] == [0, 0], (at_s, restored)
+    assert restored and all(e.rounds_lost == 0 for e in restored), (at_s, restored)
+    assert run.summary["synchronizer_restores"] == len(restored)
     _assert_versions_never_go_backwards(run)
     assert failures(run, "us") == [] and failures(run, "eu") == []  # learners kept training
-    assert run.summary["synchronizer_restores"] == 2
 
 
 def _assert_versions_never_go_backwards(run: ChaosRun) -> None:

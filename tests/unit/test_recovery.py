@@ -78,6 +78,25 @@ def test_a_fault_whose_restart_a_later_fault_kills_is_superseded():
     assert last.recovered_t is None and not last.superseded
 
 
+def test_a_synchronizer_killed_again_while_it_restores_is_restored_once():
+    # Measured on Ray beside two busy processes: the second kill came while the shard was still
+    # recovering from the first, and the supervisor saw one restore, the second kill's.
+    tape = [
+        FaultInjected(30.0, "kill_synchronizer", None),
+        SynchronizerLost(32.2, 2.0),
+        FaultInjected(39.4, "kill_synchronizer", None),
+        SynchronizerLost(41.5, 2.0),
+        SynchronizerRestored(47.5, {0: 27, 1: 30}, 0),
+        RoundClosed(48.0, 0, 28, 1, 100),
+        FaultInjected(60.0, "kill_synchronizer", "1"),  # another shard: not superseding
+        SynchronizerLost(62.0, 2.0, shard=1),
+    ]
+    first, second, other = fault_outcomes(tape, REGIONS)
+    assert first.detected_t == 32.2 and first.recovered_t is None and first.superseded
+    assert second.detected_t == 41.5 and second.recovered_t == 48.0 and not second.superseded
+    assert other.detected_t == 62.0 and other.recovered_t is None and not other.superseded
+
+
 def test_corruption_straggler_link_and_synchronizer():
     tape = [
         FaultInjected(1.0, "corrupt_nan", "b"),
