@@ -53,6 +53,9 @@ from ray_diloco.control.events import (
 
 LETHAL = frozenset({"kill_host", "kill_group", "remove_node", "hang_host"})
 LINK = frozenset({"cut_link", "slow_link"})
+# Faults whose events a later fault can cut short (`_takes_down`); a straggler or a link fault
+# is never excused.
+SUPERSEDABLE = LETHAL | {"corrupt_nan", "corrupt_norm", "kill_synchronizer"}
 # Rejections that make the supervisor restart the learner (its state may be corrupt) and
 # those it only records (the rejection protected the model; the learner heals itself).
 RESTART_REASONS = frozenset({"non_finite"})
@@ -96,14 +99,19 @@ def fault_outcomes(events: Iterable[Event], regions: Mapping[str, str]) -> list[
     return out
 
 
+def _shard(target: str | None) -> int:
+    """The shard a `kill_synchronizer` targets (no target: shard 0)."""
+    return int(target or 0)
+
+
 def _takes_down(e: Event, fault: FaultInjected) -> bool:
     """Whether `e` is a later fault that takes down what `fault` hit: its learner, or (a
     synchronizer kill) the same shard again."""
-    if not isinstance(e, FaultInjected) or e.target != fault.target:
+    if not isinstance(e, FaultInjected):
         return False
     if fault.fault == "kill_synchronizer":
-        return e.fault == "kill_synchronizer"
-    return e.fault in LETHAL or e.fault == "corrupt_nan"
+        return e.fault == "kill_synchronizer" and _shard(e.target) == _shard(fault.target)
+    return e.target == fault.target and (e.fault in LETHAL or e.fault == "corrupt_nan")
 
 
 def _find(
@@ -121,7 +129,7 @@ def _outcome(
 ) -> FaultOutcome:
     kind, target = fault.fault, fault.target
     learner: str | None = target
-    shard = int(target or 0) if kind == "kill_synchronizer" else 0  # (None: shard 0)
+    shard = _shard(target) if kind == "kill_synchronizer" else 0
     detect: Match
     recover: Callable[[str | None], Match]
     if kind in LETHAL or kind == "corrupt_nan":
@@ -181,7 +189,7 @@ def _outcome(
     # Where a later fault takes the same learner (or shard) down: what follows is that
     # fault's. A shard killed again while it restores comes back once, for the second kill.
     end = None
-    if kind in LETHAL or kind.startswith("corrupt_") or kind == "kill_synchronizer":
+    if kind in SUPERSEDABLE:
         end = next((j for j in range(i + 1, len(evs)) if _takes_down(evs[j], fault)), None)
     d = _find(evs, i + 1, used, detect, end)
     if d is None:

@@ -224,10 +224,12 @@ def test_kill_synchronizer_loses_no_round(
         rejections={"recovering", "unknown_learner"},
         full_uptime=False,
     )
-    first, second = run.outcomes
-    assert second.recovered_t is not None and (first.recovered_t is not None or first.superseded)
+    # Both kills landed, and the shard came back once for each kill not superseded (check_run
+    # has checked that each one recovered or was superseded), losing no round any time.
+    assert [o.fault for o in run.outcomes] == ["kill_synchronizer"] * 2, run.outcomes
     restored = [e for e in run.events if isinstance(e, SynchronizerRestored)]
-    assert restored and all(e.rounds_lost == 0 for e in restored), (at_s, restored)
+    assert len(restored) == sum(not o.superseded for o in run.outcomes), (restored, run.outcomes)
+    assert all(e.rounds_lost == 0 for e in restored), (at_s, restored)
     assert run.summary["synchronizer_restores"] == len(restored)
     _assert_versions_never_go_backwards(run)
     assert failures(run, "us") == [] and failures(run, "eu") == []  # learners kept training

@@ -84,7 +84,7 @@ def test_a_synchronizer_killed_again_while_it_restores_is_restored_once():
     tape = [
         FaultInjected(30.0, "kill_synchronizer", None),
         SynchronizerLost(32.2, 2.0),
-        FaultInjected(39.4, "kill_synchronizer", None),
+        FaultInjected(39.4, "kill_synchronizer", "0"),  # shard 0 named: the same shard
         SynchronizerLost(41.5, 2.0),
         SynchronizerRestored(47.5, {0: 27, 1: 30}, 0),
         RoundClosed(48.0, 0, 28, 1, 100),
