@@ -58,6 +58,13 @@ def _share_compilation_cache() -> str:
     3.7 s warm beside the suite on 2 cores, and each learner boot pays the cold compile."""
     directory = tempfile.mkdtemp(prefix="ray_diloco-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+    # Every program, however small or quick to compile, as `use_compilation_cache` keeps them:
+    # JAX's defaults (1 s, any size) skip the tiny programs that the test processes compile
+    # again for every run (in-process reference runs, the driver's `check_task`): a run builds
+    # fresh closures, so JAX's in-memory cache misses where this one hits. Unit tests that ran
+    # 73 s one after the other took 33 s on a warm cache.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return directory
 
 
