@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -50,8 +51,9 @@ def write_results(
 ) -> Path:
     """Print the table and write JSON + dated markdown; returns the markdown path."""
     out.mkdir(parents=True, exist_ok=True)
-    # the script that ran (`name` is e.g. "goodput-quick" for a --quick run of goodput.py)
-    command = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    # the script that ran (`name` is e.g. "goodput-quick" for a --quick run of goodput.py),
+    # quoted as a shell would need it (variant names have spaces and commas)
+    command = shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     meta = {"command": command, "machine": machine(), "date": dt.date.today().isoformat(), **meta}
     table = markdown_table(rows, columns)
     print(table)

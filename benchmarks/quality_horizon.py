@@ -1,6 +1,6 @@
 """Quality at a horizon DiLoCo is meant for (issue 11 item 2): over 100 outer steps per
-fragment, 3 seeds per variant (mean and spread), M = 2, 4 and 8, and a short outer-optimizer
-sweep, on the in-process reference run (deterministic for a seed).
+fragment, 3 seeds per variant (mean and spread), M = 2, 4 and 8, and short outer- and
+inner-optimizer sweeps, on the in-process reference run (deterministic for a seed).
 
 The setting is `jobs/reference.yaml` (P = H = 24, tau = 2, heterogeneous learners) with a
 smaller model and batch, so that a run has about 104 outer steps per fragment on 2 cores: a
@@ -133,6 +133,14 @@ SWEEP: dict[str, list[str]] = {
     for name, base in ((AS_WRITTEN_K1, []), (FRACTION_STEP, FRACTION))
     for lr, m in ((1.0, 0.9), (1.4, 0.9), (2.0, 0.9), (0.5, 0.9), (0.7, 0.5), (1.0, 0.5))
 }
+# The inner learning rate (AdamW, 3e-3 as written) around it, seed 0: is the gap to
+# data-parallel a matter of the inner step, when each of the 4 learners takes a quarter of
+# data-parallel's batch?
+INNER_SWEEP: dict[str, list[str]] = {
+    f"{name}, inner lr {lr}": [*VARIANTS[name][0], f"inner.lr={lr}"]
+    for name in ("data_parallel", "synchronous", DEFAULT)
+    for lr in (1e-3, 1.5e-3, 6e-3)
+}
 # The sweep runs seed 0; its best point with the fraction step (outer lr 1.4: 1.727 against
 # 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26) runs every seed.
 CANDIDATE = f"{FRACTION_STEP}, outer lr 1.4, momentum 0.9"
@@ -246,7 +254,7 @@ def main() -> None:
     chosen = {n: v for n, v in VARIANTS.items() if not args.only or n in args.only}
     chosen |= {
         n: (o, 4, SEEDS if n == CANDIDATE else (0,))
-        for n, o in SWEEP.items()
+        for n, o in (SWEEP | INNER_SWEEP).items()
         if not args.only or n in args.only
     }
     name = "quality_horizon-quick" if args.quick else "quality_horizon"
@@ -278,7 +286,7 @@ def main() -> None:
                 f"{sum(r['refused'].values())} ({r['wall_s']:.0f}s)",
                 flush=True,
             )
-    order = [*VARIANTS, *SWEEP]  # the table in the order the variants are declared
+    order = [*VARIANTS, *SWEEP, *INNER_SWEEP]  # the table in the order the variants are declared
     runs = sorted(
         kept + runs,
         key=lambda r: (
