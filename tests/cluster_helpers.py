@@ -72,9 +72,23 @@ def remove_stale_cluster_address() -> None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port the OS says is free, never one of Ray's fixed defaults: a node takes those
+    itself (its dashboard agent listens on 52365, inside Linux's ephemeral range), and Ray
+    refuses to start a node that was handed one for another component (a clean-clone suite
+    run, 2026-11-27: the chaos cluster's head got 52365 for its runtime-env agent)."""
+    from ray._private import ray_constants
+
+    taken = {
+        ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT,
+        ray_constants.DEFAULT_DASHBOARD_PORT,
+        ray_constants.DEFAULT_PORT,
+    }
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            return port
 
 
 @contextlib.contextmanager
