@@ -22,6 +22,16 @@ pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
+# `ray-diloco ...` in a process of its own, whose embedded local Ray starts as this module's
+# does (`patient_node_start`): Ray waits a hard-coded 30 s for a new raylet to register, which
+# a clean-clone suite run outlasted (2026-11-27: "The current node timed out during startup").
+PATIENT_CLI = (
+    "import sys\n"
+    "from ray_diloco.cli import main\n"
+    "from tests.cluster_helpers import patient_node_start\n"
+    "with patient_node_start(minimal_agent=False):\n"
+    "    sys.exit(main())\n"
+)
 
 
 def tiny(tmp_path: Path, name: str, *overrides: str) -> RunConfig:
@@ -176,7 +186,7 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
     env.pop("RAY_ADDRESS", None)
     with open(tmp_path / "first-session.log", "w") as log:
         first = subprocess.Popen(
-            [sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(job)],
+            [sys.executable, "-c", PATIENT_CLI, "train", "--config", str(job)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
