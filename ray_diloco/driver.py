@@ -74,8 +74,8 @@ def run_training(
         from ray_diloco.algorithm.setup import check_task
 
         # The run's compilation cache, as its actors use it: `check_task` compiles a train
-        # step and an evaluation (8.9 s on 2 cores; 2.7 s loaded from the cache), which a
-        # rerun or a resumed run of this run dir then loads.
+        # step and an evaluation (8.9 s on 2 cores beside a busy process, 2.7 s loaded from
+        # the cache), which a rerun or a resumed run of this run dir then loads.
         use_compilation_cache(cfg)
         logger.info("task checked: %s", check_task(cfg))
         run_dir, elapsed_s = _prepare_run_dir(cfg)

@@ -53,9 +53,12 @@ from ray_diloco.control.events import (
 
 LETHAL = frozenset({"kill_host", "kill_group", "remove_node", "hang_host"})
 LINK = frozenset({"cut_link", "slow_link"})
+# Faults after which the supervisor restarts the learner: detected as a failure, recovered
+# when it rejoins.
+RESTARTED = LETHAL | {"corrupt_nan"}
 # Faults whose events a later fault can cut short (`_takes_down`); a straggler or a link fault
 # is never excused.
-SUPERSEDABLE = LETHAL | {"corrupt_nan", "corrupt_norm", "kill_synchronizer"}
+SUPERSEDABLE = RESTARTED | {"corrupt_norm", "kill_synchronizer"}
 # Rejections that make the supervisor restart the learner (its state may be corrupt) and
 # those it only records (the rejection protected the model; the learner heals itself).
 RESTART_REASONS = frozenset({"non_finite"})
@@ -111,7 +114,7 @@ def _takes_down(e: Event, fault: FaultInjected) -> bool:
         return False
     if fault.fault == "kill_synchronizer":
         return e.fault == "kill_synchronizer" and _shard(e.target) == _shard(fault.target)
-    return e.target == fault.target and (e.fault in LETHAL or e.fault == "corrupt_nan")
+    return e.target == fault.target and e.fault in RESTARTED
 
 
 def _find(
@@ -132,7 +135,7 @@ def _outcome(
     shard = _shard(target) if kind == "kill_synchronizer" else 0
     detect: Match
     recover: Callable[[str | None], Match]
-    if kind in LETHAL or kind == "corrupt_nan":
+    if kind in RESTARTED:
 
         def detect(e: Event) -> bool:
             if isinstance(e, FailureDetected):
