@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -38,13 +39,62 @@ def agent_ports() -> dict[str, int]:
     return {"runtime_env_agent_port": free_port()}
 
 
-# A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s.
+# A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s: its raylet's
+# port refuses the check at once, so three failed checks take three periods. A live raylet gets
+# 10 s to answer each check: with 1 s, one starved for 3 s on a busy machine would be declared
+# dead (measured: a SIGKILLed raylet is declared dead after 1.1 s with a 1 s and 1.05 s with a
+# 10 s check timeout).
 FAST_HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 0,
     "health_check_period_ms": 500,
-    "health_check_timeout_ms": 1000,
+    "health_check_timeout_ms": 10_000,
     "health_check_failure_threshold": 3,
 }
+
+
+class NodeDied(RuntimeError):
+    """A node of a test cluster died before it was up."""
+
+
+def wait_until_live(cluster: Any, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
+    """`cluster.wait_for_nodes`, except that a node that died on the way raises `NodeDied` at
+    once, with Ray's reason, instead of a `TimeoutError` minutes later that says nothing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ours = {node.node_id for node in cluster.list_all_nodes()}
+        rows = [row for row in cluster.global_state.node_table() if row["NodeID"] in ours]
+        dead = [row for row in rows if not row["Alive"]]
+        if dead:
+            reasons = "; ".join(f"{r['NodeID'][:8]}: {r['DeathReasonMessage']!r}" for r in dead)
+            raise NodeDied(f"node died while the cluster started ({reasons})")
+        if len(rows) == len(ours):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(ours) - len(rows)} node(s) not registered in {timeout_s} s")
+        time.sleep(0.1)
+
+
+def _add_node(
+    cluster: Any, env: dict[str, str], wait: bool, retries: int = 1, **node_args: Any
+) -> Any:
+    """Add a node with `env` set while Ray starts it; with `wait`, wait until it is up, and
+    start it again (up to `retries` times) if it died on the way: a node starved of CPU at
+    startup can be declared dead, and the tests need a cluster, not that node."""
+    with _env(env), patient_node_start():
+        node = cluster.add_node(
+            object_store_memory=HOST_OBJECT_STORE_BYTES, wait=False, **agent_ports(), **node_args
+        )
+    if not wait:
+        return node
+    try:
+        wait_until_live(cluster)
+    except NodeDied as died:
+        if not retries:
+            raise
+        print(f"tests: {died}; starting it again", file=sys.stderr)
+        cluster.remove_node(node, allow_graceful=False)
+        return _add_node(cluster, env, wait, retries - 1, **node_args)
+    return node
 
 
 def prepare_ray_env() -> None:
@@ -170,7 +220,7 @@ def add_tpu_host(
     wait: bool = True,
 ) -> Any:
     """Add one emulated TPU host (a Ray node) of slice `slice_name` in `region`; `wait=False`
-    returns once its processes are started (wait for them with `cluster.wait_for_nodes()`)."""
+    returns once its processes are started (wait for them with `wait_until_live`)."""
     env = {
         "TPU_ACCELERATOR_TYPE": pod_type,
         "TPU_NAME": slice_name,
@@ -178,30 +228,12 @@ def add_tpu_host(
         "TPU_TOPOLOGY": topology,
         "RAY_NODE_REGION": region,
     }
-    with _env(env), patient_node_start():
-        node = cluster.add_node(
-            num_cpus=num_cpus,
-            resources={"TPU": chips},
-            object_store_memory=HOST_OBJECT_STORE_BYTES,
-            wait=False,
-            **agent_ports(),
-        )
-    if wait:
-        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
-    return node
+    return _add_node(cluster, env, wait, num_cpus=num_cpus, resources={"TPU": chips})
 
 
 def add_cpu_host(cluster: Any, region: str, num_cpus: int = 1) -> Any:
     """Add one CPU-only node labelled `ray.io/availability-region=region`."""
-    with _env({"RAY_NODE_REGION": region}), patient_node_start():
-        node = cluster.add_node(
-            num_cpus=num_cpus,
-            object_store_memory=HOST_OBJECT_STORE_BYTES,
-            wait=False,
-            **agent_ports(),
-        )
-    cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
-    return node
+    return _add_node(cluster, {"RAY_NODE_REGION": region}, True, num_cpus=num_cpus)
 
 
 def preempt_host(cluster: Any, node: Any, notice_s: float = 0.2) -> None:
@@ -270,7 +302,7 @@ def _connecting(cluster: Any, namespace: str) -> Iterator[None]:
 
     try:
         yield
-        cluster.wait_for_nodes(timeout=NODE_START_TIMEOUT_S)
+        wait_until_live(cluster)
         ray.init(address=cluster.address, namespace=namespace)
     except BaseException:
         cluster.shutdown()
