@@ -1,12 +1,12 @@
 """Options and hooks shared by every test directory (pytest reads `pytest_addoption` only here).
 
-The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup` in pyproject.toml). Each
-chaos module is a group (one emulated cluster, started once) and the Ray tests are another;
-unit tests fill the gaps. One after the other the suite took 19 min on 2 cores, mostly waiting
-on paced steps and boots; side by side the chaos tests also run on a busy machine every time,
-as they must (issue 15). Three workers (load 13 on 2 cores, measured) were too many: a
-restarted learner's boot outlasted a chaos run's budget and an embedded Ray's raylet missed
-Ray's 30 s registration wait.
+The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml), split as
+tests/xdist_scopes.py says: each chaos module is a unit (one emulated cluster, started once)
+and the Ray tests are another; unit tests fill the gaps. One after the other the suite took
+19 min on 2 cores, mostly waiting on paced steps and boots; side by side the chaos tests also
+run on a busy machine every time, as they must (issue 15). Three workers (load 13 on 2 cores,
+measured) were too many: a restarted learner's boot outlasted a chaos run's budget and an
+embedded Ray's raylet missed Ray's 30 s registration wait.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import pytest
 
 from tests.cpu_load import CpuLoad
+from tests.xdist_scopes import SuiteScheduling, heaviest_first
 
 _LOAD = pytest.StashKey[CpuLoad]()
 _CACHE = pytest.StashKey[str]()
@@ -78,8 +80,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("chaos"):
-            item.add_marker(pytest.mark.xdist_group(f"chaos-{item.module.__name__}"))
-        elif item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    heaviest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, unknown to a run without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> SuiteScheduling:
+    return SuiteScheduling(config, log)
