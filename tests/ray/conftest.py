@@ -1,45 +1,104 @@
-"""Fixtures for tests/ray: one local single-node Ray per test module (ray-notes §4, §5).
+"""Fixtures for tests/ray: a local single-node Ray shared by the modules that use `ray_local`
+(ray-notes §4, §5).
 
 Ray starts before any test initialises JAX (fork safety), with explicit CPUs and object store,
 no dashboard, token auth off, and a known metrics export port with a 1 s report interval so a
 test can read `ray_diloco_*` from the node's Prometheus endpoint.
+
+The modules of tests/ray run one after the other on one xdist worker (tests/xdist_scopes.py),
+so a module reuses the Ray the previous one left running: starting one took 7-10 s of the
+worker's time in a suite run, six times. A module that leaves an actor or a placement group
+behind shuts it down, so the next one starts clean; so do the modules that start a Ray of their
+own (a job server, a dashboard, a cluster from files).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import pytest
 
 from tests.cluster_helpers import free_port, patient_node_start, prepare_ray_env
 
+NAMESPACE = "diloco-test-ray"
+
 
 class LocalRay(NamedTuple):
     namespace: str
     metrics_export_port: int
+    gcs_address: str
+
+
+def _running(local: LocalRay | None) -> bool:
+    import ray
+
+    return (
+        local is not None
+        and ray.is_initialized()
+        and ray.get_runtime_context().gcs_address == local.gcs_address
+    )
+
+
+def _leftovers() -> list[str]:
+    """What a module left behind: named actors still alive, placement groups not removed,
+    CPUs still taken (by an unnamed actor)."""
+    import ray
+    from ray.util import placement_group_table
+
+    actors = [f"actor {a['name']}" for a in ray.util.list_named_actors(all_namespaces=True)]
+    groups = [
+        f"placement group {pg_id}"
+        for pg_id, pg in placement_group_table().items()
+        if pg["state"] != "REMOVED"
+    ]
+    taken = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+    return actors + groups + ([f"{taken} CPUs"] if taken else [])
+
+
+@pytest.fixture(scope="session")
+def _shared_ray() -> Iterator[dict[str, LocalRay]]:
+    shared: dict[str, LocalRay] = {}
+    yield shared
+    if _running(shared.get("ray")):
+        import ray
+
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def ray_local(request: pytest.FixtureRequest) -> Iterator[LocalRay]:
+def ray_local(_shared_ray: dict[str, Any]) -> Iterator[LocalRay]:
     prepare_ray_env()
     import ray
 
-    if ray.is_initialized():  # a previous module leaked its Ray; never connect to it
+    local = _shared_ray.get("ray")
+    if not _running(local):
+        if ray.is_initialized():  # someone else's Ray; never connect to it
+            ray.shutdown()
+        port = free_port()
+        with patient_node_start(minimal_agent=False):  # a busy machine registers nodes slowly
+            context = ray.init(
+                address="local",  # a fresh instance, whatever /tmp/ray/ray_current_cluster says
+                num_cpus=4,
+                object_store_memory=200 * 10**6,
+                include_dashboard=False,
+                namespace=NAMESPACE,
+                _metrics_export_port=port,
+                _system_config={"metrics_report_interval_ms": 1000},
+            )
+        local = _shared_ray["ray"] = LocalRay(NAMESPACE, port, context.address_info["gcs_address"])
+    yield local
+    if _running(local) and not _clears(_leftovers):
         ray.shutdown()
-    namespace = "diloco-test-" + request.module.__name__.rsplit(".", 1)[-1]
-    port = free_port()
-    with patient_node_start(minimal_agent=False):  # a busy machine registers nodes slowly
-        ray.init(
-            address="local",  # always a fresh instance, whatever /tmp/ray/ray_current_cluster says
-            num_cpus=4,
-            object_store_memory=200 * 10**6,
-            include_dashboard=False,
-            namespace=namespace,
-            _metrics_export_port=port,
-            _system_config={"metrics_report_interval_ms": 1000},
-        )
-    try:
-        yield LocalRay(namespace, port)
-    finally:
-        ray.shutdown()
+
+
+def _clears(leftovers: Callable[[], list[str]], timeout_s: float = 3.0) -> bool:
+    """Whether `leftovers()` is empty within `timeout_s`: an actor killed by the module's last
+    test gives its CPU back a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while leftovers():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -32,6 +32,7 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
 
     overrides = [
         f"run_dir={tmp_path}",
+        "name=guards",  # its own series: the module's Ray may have run others (conftest.py)
         "synchronizer.name=sync-guards",
         "diloco.mode=decoupled",
         "metrics.export_ray_metrics=true",
@@ -65,9 +66,17 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
         assert ray.get(sync.offer.remote(meta, good), timeout=60) == "accepted"
         assert ray.get(sync.offer.remote(meta, good), timeout=60) == "replayed"
         text = scrape_metrics(
-            ray_local.metrics_export_port, lambda text: 'reason="replayed"' in text, 60.0
+            ray_local.metrics_export_port,
+            lambda text: any(
+                'reason="replayed"' in ln and 'run="guards"' in ln for ln in text.splitlines()
+            ),
+            60.0,
         )
-        lines = [ln for ln in text.splitlines() if ln.startswith("ray_diloco_contributions_rej")]
+        lines = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("ray_diloco_contributions_rej") and 'run="guards"' in ln
+        ]
         by_reason = {
             r: sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if f'reason="{r}"' in ln)
             for r in ("malformed", "implausible", "replayed")
