@@ -9,13 +9,14 @@ The modules of tests/ray run one after the other on one xdist worker (tests/xdis
 so a module reuses the Ray the previous one left running: starting one took 7-10 s of the
 worker's time in a suite run, six times. A module that leaves an actor or a placement group
 behind shuts it down, so the next one starts clean; so do the modules that start a Ray of their
-own (a job server, a dashboard, a cluster from files).
+own (a job server, a dashboard, a cluster from files). The last test of tests/ray shuts it down.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -58,10 +59,14 @@ def _leftovers() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def _shared_ray() -> Iterator[dict[str, LocalRay]]:
-    shared: dict[str, LocalRay] = {}
-    yield shared
-    if _running(shared.get("ray")):
+def _shared_ray() -> dict[str, LocalRay]:
+    return {}
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Leaving tests/ray: no Ray stays initialised in this process for the tests that follow
+    on the worker (a unit test checks that metrics are no-ops without Ray)."""
+    if nextitem is None or Path(__file__).parent not in nextitem.path.parents:
         import ray
 
         ray.shutdown()
