@@ -25,7 +25,11 @@ def _falls(summary: dict[str, Any]) -> None:
     # while its loss fell from the first evaluation's to 0.055. Nothing else may be refused.
     assert set(summary["rejected"]) <= {"norm_outlier"}, summary["rejected"]
     assert summary["rejected"].get("norm_outlier", 0) <= 2, summary["rejected"]
-    assert all(a["contributions_merged"] > 0 for a in summary["learners"].values())
+    # No learner failed (one that cannot load the task crashes), and work was merged. Not that
+    # every learner contributed: nobody waits for a late learner, and at the start of a suite
+    # run (2026-11-27) one booted so late that the other spent the 12000 tokens alone.
+    assert summary["num_failures"] == 0, summary["learners"]
+    assert sum(a["contributions_merged"] for a in summary["learners"].values()) > 0
 
 
 @pytest.mark.timeout(300)
