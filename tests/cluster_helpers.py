@@ -39,7 +39,7 @@ def agent_ports() -> dict[str, int]:
     return {"runtime_env_agent_port": free_port()}
 
 
-# A killed host is declared dead in about 1.5 s (ray-notes §3.3) instead of ~16 s: its raylet's
+# A killed host is declared dead in 1-1.5 s (ray-notes §3.3) instead of ~16 s: its raylet's
 # port refuses the check at once, so three failed checks take three periods. A live raylet gets
 # 10 s to answer each check: with 1 s, one starved for 3 s on a busy machine would be declared
 # dead (measured: a SIGKILLed raylet is declared dead after 1.1 s with a 1 s and 1.05 s with a

@@ -9,7 +9,7 @@ This replaces `--dist loadgroup` with markers added at collection: xdist 3.8 gro
 `item._nodeid`, which pytest 9.2 no longer reads (it reads `item._id`), so every test became a
 unit of its own. The chaos modules' clusters were then started on both workers, side by side
 and more than once (measured in a clean-clone run: two setups each of the test_faults and
-test_tpu_placement clusters, 22-43 s apiece).
+test_tpu_placement clusters, 18-43 s apiece).
 """
 
 from __future__ import annotations

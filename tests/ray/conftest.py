@@ -7,17 +7,18 @@ test can read `ray_diloco_*` from the node's Prometheus endpoint.
 
 The modules of tests/ray run one after the other on one xdist worker (tests/xdist_scopes.py),
 so a module reuses the Ray the previous one left running: starting one took 7-10 s of the
-worker's time in a suite run, six times. A module that leaves an actor or a placement group
-behind shuts it down, so the next one starts clean; so do the modules that start a Ray of their
-own (a job server, a dashboard, a cluster from files). The last test of tests/ray shuts it down.
+worker's time in a suite run, six times. A module that leaves an actor, a placement group or
+a taken CPU behind shuts it down, so the next one starts clean; so do the modules that start a
+Ray of their own (a job server, a dashboard, a cluster from files). The last test of tests/ray
+shuts it down.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 
@@ -42,25 +43,27 @@ def _running(local: LocalRay | None) -> bool:
     )
 
 
-def _leftovers() -> list[str]:
+def _left_behind(timeout_s: float = 3.0) -> list[str]:
     """What a module left behind: named actors still alive, placement groups not removed,
-    CPUs still taken (by an unnamed actor)."""
+    CPUs still taken (by an unnamed actor). Waits up to `timeout_s` for it to clear: an actor
+    killed by the module's last test gives its CPU back a moment later."""
     import ray
     from ray.util import placement_group_table
 
-    actors = [f"actor {a['name']}" for a in ray.util.list_named_actors(all_namespaces=True)]
-    groups = [
-        f"placement group {pg_id}"
-        for pg_id, pg in placement_group_table().items()
-        if pg["state"] != "REMOVED"
-    ]
-    taken = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
-    return actors + groups + ([f"{taken} CPUs"] if taken else [])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        named = ray.util.list_named_actors(all_namespaces=True)
+        groups = [i for i, pg in placement_group_table().items() if pg["state"] != "REMOVED"]
+        taken = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+        left = [f"actor {a['name']}" for a in named] + [f"placement group {i}" for i in groups]
+        left += [f"{taken} CPUs"] if taken else []
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
-def _shared_ray() -> dict[str, LocalRay]:
-    return {}
+# This worker's shared Ray (xdist workers are processes of their own).
+_shared: LocalRay | None = None
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
@@ -73,12 +76,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.fixture(scope="module")
-def ray_local(_shared_ray: dict[str, Any]) -> Iterator[LocalRay]:
+def ray_local() -> Iterator[LocalRay]:
+    global _shared
     prepare_ray_env()
     import ray
 
-    local = _shared_ray.get("ray")
-    if not _running(local):
+    if not _running(_shared):
         if ray.is_initialized():  # someone else's Ray; never connect to it
             ray.shutdown()
         port = free_port()
@@ -92,18 +95,7 @@ def ray_local(_shared_ray: dict[str, Any]) -> Iterator[LocalRay]:
                 _metrics_export_port=port,
                 _system_config={"metrics_report_interval_ms": 1000},
             )
-        local = _shared_ray["ray"] = LocalRay(NAMESPACE, port, context.address_info["gcs_address"])
-    yield local
-    if _running(local) and not _clears(_leftovers):
+        _shared = LocalRay(NAMESPACE, port, context.address_info["gcs_address"])
+    yield _shared
+    if _running(_shared) and _left_behind():
         ray.shutdown()
-
-
-def _clears(leftovers: Callable[[], list[str]], timeout_s: float = 3.0) -> bool:
-    """Whether `leftovers()` is empty within `timeout_s`: an actor killed by the module's last
-    test gives its CPU back a moment later."""
-    deadline = time.monotonic() + timeout_s
-    while leftovers():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
