@@ -1,9 +1,14 @@
 """How the suite is split over its pytest-xdist workers (tests/conftest.py hooks this in).
 
 A work unit goes to one worker and runs there in one piece: each chaos module is a unit (one
-emulated cluster, started once), all of tests/ray is one (one embedded Ray at a time), and each
-unit-test module is one. Units are handed out heaviest first, so the two long ones start at once
-on the two workers and the small ones fill the gaps at the end.
+emulated cluster, started once), the tests/ray modules that share one embedded Ray
+(tests/ray/conftest.py's `ray_local`) are one, and every other module is one. Units are handed
+out longest first, so the two long ones start at once on the two workers and the short ones
+fill the gaps at the end (list scheduling, longest first).
+
+The order matters at the end too: xdist gives a worker its next unit as soon as its current one
+has two tests left (it needs the next test to tear the last one down), so a long unit handed out
+late waits behind the worker's last two tests while the other worker runs dry.
 
 This replaces `--dist loadgroup` with markers added at collection: xdist 3.8 groups by renaming
 `item._nodeid`, which pytest 9.2 no longer reads (it reads `item._id`), so every test became a
@@ -17,28 +22,47 @@ from __future__ import annotations
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-RAY_DIR = "tests/ray/"
-# Units that run longest, in the order they are handed out (clean-clone suite, 2 cores: about
-# 740 s and 900 s of the suite's 2165 worker-seconds); every other unit follows in collection
-# order.
-HEAVIEST_FIRST = ("tests/chaos/test_faults.py", RAY_DIR)
+SHARED_RAY = "tests/ray/ (shared Ray)"
+# tests/ray modules that start a Ray of their own (a job server, a dashboard, a cluster from
+# the job files): nothing to share, so each is a unit that can run beside the shared one.
+OWN_RAY = ("test_job_server.py", "test_monitoring.py", "test_plan_emulated.py")
+# The longest units, longest first (a clean-clone suite run, 2 cores, 2026-11-27, seconds of
+# one worker): test_faults 540, the shared-Ray modules 545, test_scavenging 129, the job server
+# 95, the quick benchmarks 95, monitoring 75, the emulated plans 67. Every other unit follows
+# in collection order.
+LONGEST_FIRST = (
+    "tests/chaos/test_faults.py",
+    SHARED_RAY,
+    "tests/chaos/test_scavenging.py",
+    "tests/ray/test_job_server.py",
+    "tests/unit/test_benchmarks.py",
+    "tests/ray/test_monitoring.py",
+    "tests/ray/test_plan_emulated.py",
+    "tests/chaos/test_tpu_placement.py",
+)
+
+
+def unit_of(nodeid: str) -> str:
+    """The work unit of the test `nodeid`: its module, or `SHARED_RAY`."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith("tests/ray/") and module.rsplit("/", 1)[1] not in OWN_RAY:
+        return SHARED_RAY
+    return module
 
 
 class SuiteScheduling(LoadScopeScheduling):
-    """`--dist loadscope` with tests/ray as one unit."""
+    """`--dist loadscope` with the units of `unit_of`."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return RAY_DIR if nodeid.startswith(RAY_DIR) else super()._split_scope(nodeid)
+        return unit_of(nodeid)
 
 
-def heaviest_first(items: list[pytest.Item]) -> None:
-    """Reorder `items` in place (stably, so modules stay whole) so the `HEAVIEST_FIRST` units
-    are collected, hence scheduled (`--no-loadscope-reorder`), first."""
+def longest_first(items: list[pytest.Item]) -> None:
+    """Reorder `items` in place (stably, so units stay whole) so the `LONGEST_FIRST` units are
+    collected, hence scheduled (`--no-loadscope-reorder`), first and in that order."""
 
     def rank(item: pytest.Item) -> int:
-        for i, prefix in enumerate(HEAVIEST_FIRST):
-            if item.nodeid.startswith(prefix):
-                return i
-        return len(HEAVIEST_FIRST)
+        unit = unit_of(item.nodeid)
+        return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)

@@ -5,24 +5,24 @@ Ray starts before any test initialises JAX (fork safety), with explicit CPUs and
 no dashboard, token auth off, and a known metrics export port with a 1 s report interval so a
 test can read `ray_diloco_*` from the node's Prometheus endpoint.
 
-The modules of tests/ray run one after the other on one xdist worker (tests/xdist_scopes.py),
+The modules that use it run one after the other on one xdist worker (tests/xdist_scopes.py),
 so a module reuses the Ray the previous one left running: starting one took 7-10 s of the
 worker's time in a suite run, six times. A module that leaves an actor, a placement group or
-a taken CPU behind shuts it down, so the next one starts clean; so do the modules that start a
-Ray of their own (a job server, a dashboard, a cluster from files). The last test of tests/ray
-shuts it down.
+a taken CPU behind shuts it down, so the next one starts clean. The last test of that unit
+shuts it down; the modules that start a Ray of their own (a job server, a dashboard, a cluster
+from files) are units of their own.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from tests.cluster_helpers import free_port, patient_node_start, prepare_ray_env
+from tests.xdist_scopes import SHARED_RAY, unit_of
 
 NAMESPACE = "diloco-test-ray"
 
@@ -67,9 +67,9 @@ _shared: LocalRay | None = None
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Leaving tests/ray: no Ray stays initialised in this process for the tests that follow
-    on the worker (a unit test checks that metrics are no-ops without Ray)."""
-    if nextitem is None or Path(__file__).parent not in nextitem.path.parents:
+    """Leaving the shared-Ray unit: no Ray stays initialised in this process for the tests that
+    follow on the worker (a unit test checks that metrics are no-ops without Ray)."""
+    if nextitem is None or unit_of(nextitem.nodeid) != SHARED_RAY:
         import ray
 
         ray.shutdown()
