@@ -23,10 +23,17 @@ from common import QUICK_MODEL, REFERENCE, parser, plot_loss_curves, write_resul
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
 # Every variant starts from algorithm.md as written (every learner receives every round, a
-# round steps in full, a new version overwrites unsent work) and names what it changes; the
-# default config is the row DEFAULT.
-AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full", "diloco.keep_unsent_work=false"]
+# round steps in full, a new version overwrites the learner's values) and names what it
+# changes; the default config is the row DEFAULT_ROW (the sqrt step with mixing, since
+# 2026-11-27; the sqrt step alone, DEFAULT, before).
+AS_WRITTEN = [
+    "diloco.publish_to=all",
+    "diloco.round_step=full",
+    "diloco.keep_unsent_work=false",
+    "diloco.mixing_alpha=0",
+]
 DEFAULT = "decoupled K=1 grace, sqrt step"
+DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
@@ -94,6 +101,20 @@ VARIANTS: dict[str, list[str]] = {
     # The same outer lr where every round merges every learner (a full step either way).
     "synchronous, outer lr 1.4": ["diloco.mode=synchronous", "outer.lr=1.4"],
     "decoupled K=M, outer lr 1.4": ["diloco.quorum_min=4", "outer.lr=1.4"],
+    # What helped at the long horizon (quality_horizon.py, 2026-11-27): synchronous DiLoCo at
+    # outer lr 0.5, and Streaming DiLoCo's mixing with the sqrt step.
+    "synchronous, outer lr 0.5": ["diloco.mode=synchronous", "outer.lr=0.5"],
+    DEFAULT_ROW: ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"],
+    "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": [
+        "diloco.grace_fraction=0",
+        "diloco.round_step=sqrt",
+        "diloco.mixing_alpha=0.25",
+    ],
+    f"{DEFAULT_ROW}, mean merge": [
+        "diloco.round_step=sqrt",
+        "diloco.mixing_alpha=0.25",
+        "diloco.merge=mean",
+    ],
 }
 
 

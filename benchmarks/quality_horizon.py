@@ -45,9 +45,16 @@ QUICK = [*QUICK_MODEL, "token_budget=30000"]
 GLOBAL_BATCH = 32
 SEEDS = (0, 1, 2)
 # As in quality.py: every variant starts from algorithm.md as written and names its change.
-AS_WRITTEN = ["diloco.publish_to=all", "diloco.round_step=full", "diloco.keep_unsent_work=false"]
+AS_WRITTEN = [
+    "diloco.publish_to=all",
+    "diloco.round_step=full",
+    "diloco.keep_unsent_work=false",
+    "diloco.mixing_alpha=0",
+]
 AS_WRITTEN_K1 = "decoupled K=1 grace"
-DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults
+DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
+# The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (SQRT_SWEEP).
+DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 SQRT = ["diloco.round_step=sqrt"]
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 FRACTION = ["diloco.round_step=fraction"]
@@ -125,6 +132,9 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     f"{DEFAULT}, keep unsent work": ([*SQRT, "diloco.keep_unsent_work=true"], 4, SEEDS),
     f"{DEFAULT}, contributors": ([*SQRT, "diloco.publish_to=contributors"], 4, SEEDS),
     f"{DEFAULT}, outer momentum 0.5": ([*SQRT, "outer.momentum=0.5"], 4, SEEDS),
+    # Each learner of a round 1/sqrt(M) of a step: the grace window's grouping no longer
+    # shortens the window's steps (issue 11: grace better than no grace).
+    "decoupled K=1 grace, sqrt step per learner": (["diloco.round_step=sqrt_each"], 4, SEEDS),
 }
 # The outer optimizer around the paper's (lr 0.7, Nesterov 0.9), M = 4: as written, and with
 # the fraction step (the default before the sqrt step).
@@ -141,9 +151,40 @@ INNER_SWEEP: dict[str, list[str]] = {
     for name in ("data_parallel", "synchronous", DEFAULT)
     for lr in (1e-3, 1.5e-3, 6e-3)
 }
-# The sweep runs seed 0; its best point with the fraction step (outer lr 1.4: 1.727 against
-# 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26) runs every seed.
-CANDIDATE = f"{FRACTION_STEP}, outer lr 1.4, momentum 0.9"
+# The outer lr around the default's (sqrt step, lr 0.7), seed 0: a round of two learners at a
+# whole step (the sqrt step per learner) did far worse than at sqrt(2/4) of one (1.876 and
+# 1.891 against 1.713 and 1.714, seeds 0 and 1): do shorter steps do better still?
+SQRT_SWEEP: dict[str, list[str]] = {
+    f"{name}, outer lr {lr}": [*VARIANTS[name][0], f"outer.lr={lr}"]
+    for name in (DEFAULT, "synchronous")
+    for lr in (0.4, 0.5, 0.6)
+} | {
+    # Streaming DiLoCo's mixing: a learner keeps alpha of its own values when a new version
+    # arrives (params = alpha params + (1 - alpha) G) instead of overwriting them.
+    f"{DEFAULT}, mixing alpha {alpha}": [*SQRT, f"diloco.mixing_alpha={alpha}"]
+    for alpha in (0.25, 0.5)
+}
+# The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
+# 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
+# and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
+# step, 1.627 and 1.640 for synchronous; 2026-11-27) and its mixing alpha (0.25: 1.676 against
+# 1.688 at 0.5).
+# The default's grace and merge targets (issue 11) with the mix.
+MIX = [*SQRT, "diloco.mixing_alpha=0.25"]
+DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
+    "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": (
+        ["diloco.grace_fraction=0", *MIX],
+        4,
+        SEEDS,
+    ),
+    f"{DEFAULT_ROW}, mean merge": ([*MIX, "diloco.merge=mean"], 4, (0,)),
+}
+CANDIDATES = (
+    f"{FRACTION_STEP}, outer lr 1.4, momentum 0.9",
+    f"{DEFAULT}, outer lr 0.5",
+    "synchronous, outer lr 0.5",
+    DEFAULT_ROW,
+)
 
 
 def learners(num: int) -> list[dict[str, Any]]:
@@ -251,10 +292,12 @@ def main() -> None:
         help="results JSONs of other runs of this benchmark to take runs from, as with --add",
     )
     args = p.parse_args()
-    chosen = {n: v for n, v in VARIANTS.items() if not args.only or n in args.only}
+    chosen = {
+        n: v for n, v in (VARIANTS | DEFAULT_CHECKS).items() if not args.only or n in args.only
+    }
     chosen |= {
-        n: (o, 4, SEEDS if n == CANDIDATE else (0,))
-        for n, o in (SWEEP | INNER_SWEEP).items()
+        n: (o, 4, SEEDS if n in CANDIDATES else (0,))
+        for n, o in (SWEEP | INNER_SWEEP | SQRT_SWEEP).items()
         if not args.only or n in args.only
     }
     name = "quality_horizon-quick" if args.quick else "quality_horizon"
@@ -286,7 +329,12 @@ def main() -> None:
                 f"{sum(r['refused'].values())} ({r['wall_s']:.0f}s)",
                 flush=True,
             )
-    order = [*VARIANTS, *SWEEP, *INNER_SWEEP]  # the table in the order the variants are declared
+    order = [
+        *VARIANTS,
+        *SWEEP,
+        *INNER_SWEEP,
+        *SQRT_SWEEP,
+    ]  # the table in the order the variants are declared
     runs = sorted(
         kept + runs,
         key=lambda r: (

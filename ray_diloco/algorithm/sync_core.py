@@ -271,7 +271,11 @@ class SynchronizerCore(RecoveringCore):
         if d.round_step != "full":
             share = min(1.0, len({c.meta.learner for c in close.contributions}) / close.learners)
         scale = {k: s * share if d.round_step == "share" else s for k, (_, s) in parts.items()}
-        fraction = {"fraction": share, "sqrt": share**0.5}.get(d.round_step, 1.0)
+        fraction = {
+            "fraction": share,
+            "sqrt": share**0.5,
+            "sqrt_each": min(1.0, share * close.learners**0.5),
+        }.get(d.round_step, 1.0)
         accelerated = self._accelerated(close, weights)
         values, self.outer_states[p] = outer.outer_step(
             self.tx, g, self.outer_states[p], grad, scale, fraction, accelerated

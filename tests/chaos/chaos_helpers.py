@@ -51,11 +51,13 @@ REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
 #   synchronizer kill lands while both learners restart, the shard falls back to its checkpoint
 #   (up to 13 merged rounds rolled back, the outer momentum the checkpoint's): the highest.
 # A merged NaN or stale garbage ends far above it (the untrained model is at 5.56). These runs
-# had `round_step: full` or `fraction`; the references are the sqrt step's since 2026-11-26
+# had `round_step: full` or `fraction`; the references were the sqrt step's from 2026-11-26
 # (2.170 one-host, 2.285 two-host, 0.940 storm). One CI-equivalent run on it: one-host runs
 # 1.08-2.27 (the lowest trained on past 72k tokens while a fault recovered), the two-host kill
 # 1.67, the storm 0.62. The storm's budget is 120k tokens since 2026-11-27 (reference 1.684):
-# 1.18 idle, 1.66 beside two busy processes (`--cpu-load 2`).
+# 1.18 idle, 1.66 beside two busy processes (`--cpu-load 2`). Since the mixing default
+# (`diloco.mixing_alpha: 0.25`, 2026-11-27) the references are 1.866 one-host, 1.946 two-host
+# and 1.232 for the storm.
 LOSS_TOLERANCE = 0.9
 MIN_UPTIME_WINDOW_S = 4.0
 CEILING = 4

@@ -1,5 +1,6 @@
 """`diloco.keep_unsent_work`: a learner carries its unsent work on a fragment (the steps since
-it last offered it) onto a new version instead of losing it to the overwrite
+it last offered it) onto a new version instead of losing it to the overwrite, or to the mix
+with the new version that keeps `diloco.mixing_alpha` of the learner's values
 (LearnerCore.apply_received)."""
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def test_the_steps_since_the_last_offer_move_onto_the_new_version(setup: Setup, 
     _train(core, 3)  # unsent: three steps past the offer
     before = {k: np.asarray(core.params[k], np.float32) for k in theta}
     g = _publish(core, p, 1, 0.5)
+    alpha = core.cfg.diloco.mixing_alpha  # without keeping: the mix of algorithm.md section 4
     for k in theta:
-        expected = g[k] + (before[k] - theta[k]) if keep else g[k]
+        expected = g[k] + (before[k] - theta[k]) if keep else alpha * before[k] + (1 - alpha) * g[k]
         np.testing.assert_allclose(np.asarray(core.params[k]), expected, rtol=1e-6, atol=1e-6)
     assert core.steps_since[p] == (3 if keep else 0)
     assert core.tokens_since[p] == (3 * core.tokens_per_step if keep else 0)

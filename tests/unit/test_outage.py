@@ -5,24 +5,30 @@ sync window's worth, the rest applied as it is, the run ends as well as the faul
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from ray_diloco.config import build_config
 from ray_diloco.sim.simulate import run_reference
 from tests.chaos.chaos_helpers import chaos_tree
 
-ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 72000
 # Virtual seconds. The learners train some 49k tokens in it: the first rounds after it merge
 # about 60 inner steps per contribution where a window is 6.
 OUTAGE = (5.0, 13.0)
 
 
-def _run(accelerate: str) -> dict:
+def _overwriting() -> dict:
+    """The chaos suite's config, with learners that overwrite their values with each new
+    version (algorithm.md section 4). With the default mix (alpha 0.25) the whole outage's work
+    taken through the momentum did no harm here (1.794 against 1.827 taken as one window;
+    fault-free 1.866), so the rule is pinned where it matters."""
     tree = chaos_tree(BUDGET, [])
+    tree["diloco"]["mixing_alpha"] = 0.0
+    return tree
+
+
+def _run(accelerate: str) -> dict:
+    tree = _overwriting()
     # As the chaos suite runs past a synchronizer restart: the planned budget's schedule,
     # and a quarter budget more after the outage's work is merged.
     tree["token_budget"] = 97872
@@ -31,8 +37,7 @@ def _run(accelerate: str) -> dict:
 
 
 def test_outage_work_is_taken_not_amplified() -> None:
-    reference = json.loads((ROOT / "tests/fixtures/chaos_reference.json").read_text())
-    fault_free = reference[f"{BUDGET}/single_host"]
+    fault_free = run_reference(build_config(_overwriting()))["heldout_loss"]
     window, amplified = _run("window"), _run("all")
     assert window["outage_refusals"] > 50
     assert window["outage_refusals"] == amplified["outage_refusals"]

@@ -29,13 +29,17 @@ def _values(core: SynchronizerCore) -> dict[str, np.ndarray]:
     return core.snapshot()[0][1]
 
 
-def _offer(core: SynchronizerCore, learner: str, base: int, update: float, now: float) -> None:
-    """`learner` trained from version `base` and moved every value of fragment 0 by `update`."""
+def _offer(
+    core: SynchronizerCore, learner: str, base: int, update: float, now: float, close: bool = True
+) -> None:
+    """`learner` trained from version `base` and moved every value of fragment 0 by `update`;
+    the round closes unless `close` is false."""
     delta = {k: np.full_like(v, update) for k, v in core.published[0][base].items()}
     meta = ContributionMeta(learner, 0, 0, base, 4 * (base + 1), 4, 256)
     assert core.offer(meta, wire.encode_tree(delta, "float32"), now=now) is Verdict.ACCEPTED
-    (pub,) = core.poll(now=now + 0.05)
-    assert pub.fragment == 0
+    if close:
+        (pub,) = core.poll(now=now + 0.05)
+        assert pub.fragment == 0 and len(pub.close.contributions) >= 1
 
 
 def _moved(after: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> float:
@@ -57,7 +61,8 @@ def test_a_stale_contribution_adds_its_update_only_when_anchored_at_its_base(
 
 
 @pytest.mark.parametrize(
-    ("round_step", "step"), [("share", 0.25), ("fraction", 0.25), ("sqrt", 0.5), ("full", 1.0)]
+    ("round_step", "step"),
+    [("share", 0.25), ("fraction", 0.25), ("sqrt", 0.5), ("sqrt_each", 0.5), ("full", 1.0)],
 )
 def test_a_one_learner_round_steps_by_its_share_of_the_learners(
     round_step: str, step: float
@@ -66,4 +71,15 @@ def test_a_one_learner_round_steps_by_its_share_of_the_learners(
     core = _core(f"diloco.round_step={round_step}")
     v0 = _values(core)
     _offer(core, "c", base=0, update=0.5, now=0.1)  # 1 of the 4 live learners
-    assert _moved(_values(core), v0) == pytest.approx(0.5 * step)
+    assert _moved(_values(core), v0) == pytest.approx(0.5 * step, abs=1e-6)
+
+
+@pytest.mark.parametrize(("round_step", "step"), [("sqrt", 0.5**0.5), ("sqrt_each", 1.0)])
+def test_a_two_learner_round_steps_by_its_rule(round_step: str, step: float) -> None:
+    # Two of the 4 learners in one round: "sqrt" takes sqrt(2/4) of a step, "sqrt_each" 2 x
+    # 1/sqrt(4), as far as the same two in rounds of their own.
+    core = _core(f"diloco.round_step={round_step}")
+    v0 = _values(core)
+    _offer(core, "a", base=0, update=0.5, now=0.1, close=False)
+    _offer(core, "b", base=0, update=0.5, now=0.1)
+    assert _moved(_values(core), v0) == pytest.approx(0.5 * step, abs=1e-6)
