@@ -34,6 +34,7 @@ AS_WRITTEN = [
 ]
 DEFAULT = "decoupled K=1 grace, sqrt step"
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
+MIX = ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"]  # DEFAULT_ROW's overrides
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
@@ -104,17 +105,9 @@ VARIANTS: dict[str, list[str]] = {
     # What helped at the long horizon (quality_horizon.py, 2026-11-27): synchronous DiLoCo at
     # outer lr 0.5, and Streaming DiLoCo's mixing with the sqrt step.
     "synchronous, outer lr 0.5": ["diloco.mode=synchronous", "outer.lr=0.5"],
-    DEFAULT_ROW: ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"],
-    "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": [
-        "diloco.grace_fraction=0",
-        "diloco.round_step=sqrt",
-        "diloco.mixing_alpha=0.25",
-    ],
-    f"{DEFAULT_ROW}, mean merge": [
-        "diloco.round_step=sqrt",
-        "diloco.mixing_alpha=0.25",
-        "diloco.merge=mean",
-    ],
+    DEFAULT_ROW: MIX,
+    "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": ["diloco.grace_fraction=0", *MIX],
+    f"{DEFAULT_ROW}, mean merge": [*MIX, "diloco.merge=mean"],
 }
 
 

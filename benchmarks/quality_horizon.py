@@ -53,7 +53,7 @@ AS_WRITTEN = [
 ]
 AS_WRITTEN_K1 = "decoupled K=1 grace"
 DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
-# The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (SQRT_SWEEP).
+# The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP).
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 SQRT = ["diloco.round_step=sqrt"]
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
@@ -151,9 +151,9 @@ INNER_SWEEP: dict[str, list[str]] = {
     for name in ("data_parallel", "synchronous", DEFAULT)
     for lr in (1e-3, 1.5e-3, 6e-3)
 }
-# The outer lr around the default's (sqrt step, lr 0.7), seed 0: a round of two learners at a
-# whole step (the sqrt step per learner) did far worse than at sqrt(2/4) of one (1.876 and
-# 1.891 against 1.713 and 1.714, seeds 0 and 1): do shorter steps do better still?
+# The outer lr around the sqrt step's (lr 0.7), seed 0: a round of two learners at a whole
+# step (the sqrt step per learner) did far worse than at sqrt(2/4) of one (1.902 against 1.719
+# over three seeds): do shorter steps do better still?
 SQRT_SWEEP: dict[str, list[str]] = {
     f"{name}, outer lr {lr}": [*VARIANTS[name][0], f"outer.lr={lr}"]
     for name in (DEFAULT, "synchronous")
@@ -164,13 +164,8 @@ SQRT_SWEEP: dict[str, list[str]] = {
     f"{DEFAULT}, mixing alpha {alpha}": [*SQRT, f"diloco.mixing_alpha={alpha}"]
     for alpha in (0.25, 0.5)
 }
-# The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
-# 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
-# and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
-# step, 1.627 and 1.640 for synchronous; 2026-11-27) and its mixing alpha (0.25: 1.676 against
-# 1.688 at 0.5).
+MIX = [*SQRT, "diloco.mixing_alpha=0.25"]  # the config's defaults since 2026-11-27
 # The default's grace and merge targets (issue 11) with the mix.
-MIX = [*SQRT, "diloco.mixing_alpha=0.25"]
 DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": (
         ["diloco.grace_fraction=0", *MIX],
@@ -179,6 +174,11 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     ),
     f"{DEFAULT_ROW}, mean merge": ([*MIX, "diloco.merge=mean"], 4, (0,)),
 }
+# The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
+# 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
+# and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
+# step, 1.627 and 1.640 for synchronous; 2026-11-27) and its mixing alpha (0.25: 1.676 against
+# 1.688 at 0.5).
 CANDIDATES = (
     f"{FRACTION_STEP}, outer lr 1.4, momentum 0.9",
     f"{DEFAULT}, outer lr 0.5",
@@ -329,12 +329,8 @@ def main() -> None:
                 f"{sum(r['refused'].values())} ({r['wall_s']:.0f}s)",
                 flush=True,
             )
-    order = [
-        *VARIANTS,
-        *SWEEP,
-        *INNER_SWEEP,
-        *SQRT_SWEEP,
-    ]  # the table in the order the variants are declared
+    # The table in the order the variants are declared.
+    order = [*VARIANTS, *SWEEP, *INNER_SWEEP, *SQRT_SWEEP, *DEFAULT_CHECKS]
     runs = sorted(
         kept + runs,
         key=lambda r: (

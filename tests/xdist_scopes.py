@@ -26,18 +26,19 @@ SHARED_RAY = "tests/ray/ (shared Ray)"
 # tests/ray modules that start a Ray of their own (a job server, a dashboard, a cluster from
 # the job files): nothing to share, so each is a unit that can run beside the shared one.
 OWN_RAY = ("test_job_server.py", "test_monitoring.py", "test_plan_emulated.py")
-# The longest units, longest first (a clean-clone suite run, 2 cores, 2026-11-27, seconds of
-# one worker): test_faults 540, the shared-Ray modules 545, test_scavenging 129, the job server
-# 95, the quick benchmarks 95, monitoring 75, the emulated plans 67. Every other unit follows
-# in collection order.
+# The longest units, longest first (clean-clone suite runs, 2 cores, 2026-11-27, seconds of
+# one worker, per-test start and end times recorded in two runs): the shared-Ray modules 646-756
+# and test_faults 584-631 (one to each worker), test_scavenging 115-133, the quick benchmarks
+# 78, the emulated plans 78, the job server 54, monitoring 54, test_tpu_placement 46. Every
+# other unit follows in collection order.
 LONGEST_FIRST = (
-    "tests/chaos/test_faults.py",
     SHARED_RAY,
+    "tests/chaos/test_faults.py",
     "tests/chaos/test_scavenging.py",
-    "tests/ray/test_job_server.py",
     "tests/unit/test_benchmarks.py",
-    "tests/ray/test_monitoring.py",
     "tests/ray/test_plan_emulated.py",
+    "tests/ray/test_job_server.py",
+    "tests/ray/test_monitoring.py",
     "tests/chaos/test_tpu_placement.py",
 )
 

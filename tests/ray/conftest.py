@@ -69,7 +69,8 @@ _shared: LocalRay | None = None
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Leaving the shared-Ray unit: no Ray stays initialised in this process for the tests that
     follow on the worker (a unit test checks that metrics are no-ops without Ray)."""
-    if nextitem is None or unit_of(nextitem.nodeid) != SHARED_RAY:
+    leaving = nextitem is None or unit_of(nextitem.nodeid) != SHARED_RAY
+    if unit_of(item.nodeid) == SHARED_RAY and leaving:
         import ray
 
         ray.shutdown()
