@@ -75,6 +75,7 @@ def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -
     for mode in MODES:
         xs = list(INTENSITIES)
         ax_good.plot(xs, [results[(mode, i)]["goodput"] for i in xs], marker="o", label=mode)
+    ax_good.set_xlabel("failures per learner (none; 1 per 1000 or 200 inner steps)")
     ax_good.set_ylabel("goodput")
     ax_good.set_ylim(0, 1.05)
     ax_good.legend(fontsize=8)

@@ -173,6 +173,24 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         SEEDS,
     ),
     f"{DEFAULT_ROW}, mean merge": ([*MIX, "diloco.merge=mean"], 4, (0,)),
+    # Issue 11's M = 2 and M = 8 for the default, and issue 16's question: does the mix make
+    # more learners at the same token budget cost less?
+    f"{DEFAULT_ROW}, M=2": (MIX, 2, (0,)),
+    f"{DEFAULT_ROW}, M=8": (MIX, 8, (0,)),
+    # The mix with the outer lr that helped synchronous DiLoCo (0.5), and synchronous DiLoCo
+    # with the mix (every learner gets the same version, so the mix keeps them apart).
+    f"{DEFAULT_ROW}, outer lr 0.5": ([*MIX, "outer.lr=0.5"], 4, (0,)),
+    # An outer lr warm-up (issue 11's sweep; a decoupled fragment closes about 350 rounds).
+    **{
+        f"{DEFAULT_ROW}, outer warm-up {n} rounds": ([*MIX, f"outer.warmup_rounds={n}"], 4, (0,))
+        for n in (20, 60)
+    },
+    "synchronous, mixing alpha 0.25": (["diloco.mode=synchronous", *MIX], 4, SEEDS),
+    "synchronous, outer lr 0.5, mixing alpha 0.25": (
+        ["diloco.mode=synchronous", "outer.lr=0.5", *MIX],
+        4,
+        (0,),
+    ),
 }
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's

@@ -50,6 +50,16 @@ def make_outer_optimizer(cfg: OuterOptimizerConfig) -> OuterOptimizer:
     return OuterOptimizer(cfg.lr, cfg.momentum, cfg.nesterov)
 
 
+def warmup_lr_scale(cfg: OuterOptimizerConfig, version: int) -> float:
+    """The outer learning rate's share at the round that makes `version` of a fragment
+    (1, 2, ...): linear from 1/warmup_rounds to 1 over the fragment's first `warmup_rounds`
+    rounds, then 1. Early outer gradients are the largest of a run, and Nesterov momentum
+    0.9 carries each about lr / (1 - momentum) = 7 times its size over the next rounds."""
+    if cfg.warmup_rounds <= 0:
+        return 1.0
+    return min(1.0, version / cfg.warmup_rounds)
+
+
 def _host(values: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
     return {path: np.asarray(v, dtype=F32) for path, v in values.items()}
 
@@ -67,6 +77,7 @@ def outer_step(
     grad_scale: Mapping[str, float] | None = None,
     fraction: float = 1.0,
     accelerated: float = 1.0,
+    lr_scale: float = 1.0,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One outer step on a fragment: `trace <- g + momentum * trace`, `G <- G - lr * u` with
     `u = g + momentum * trace` (Nesterov) or `u = trace`.
@@ -83,7 +94,8 @@ def outer_step(
 
     `accelerated` a < 1 gives the optimizer only a g (`diloco.accelerate: window`, for a
     gradient that covers 1/a sync windows of learner work) and moves G by the rest, (1 - a) g,
-    as it is: lr 1, no momentum, no trace. Returns float32 NumPy values and a new state; the
+    as it is: lr 1, no momentum, no trace. `lr_scale` multiplies the learning rate (the
+    warm-up, `warmup_lr_scale`). Returns float32 NumPy values and a new state; the
     inputs are not modified (a checkpoint may be reading the old state)."""
     if values.keys() != outer_grad.keys():
         raise ValueError(
@@ -96,7 +108,7 @@ def outer_step(
     if not 0.0 < accelerated <= 1.0:
         raise ValueError(f"outer_step: accelerated={accelerated} must be in (0, 1]")
     b, whole, plain = tx.momentum, fraction == 1.0, F32(1.0 - accelerated)
-    mu, neg_lr = F32(b), F32(-tx.lr)
+    mu, neg_lr = F32(b), F32(-tx.lr * lr_scale)
     # A fraction f of a step: the trace decays by b^f and takes c g, u is f times the whole
     # step's (the whole step skips these, operation for operation optax's).
     f, decay, c = F32(fraction), F32(b**fraction), F32((1 - b**fraction) / (1 - b))

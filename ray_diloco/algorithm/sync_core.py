@@ -278,7 +278,14 @@ class SynchronizerCore(RecoveringCore):
         }.get(d.round_step, 1.0)
         accelerated = self._accelerated(close, weights)
         values, self.outer_states[p] = outer.outer_step(
-            self.tx, g, self.outer_states[p], grad, scale, fraction, accelerated
+            self.tx,
+            g,
+            self.outer_states[p],
+            grad,
+            scale,
+            fraction,
+            accelerated,
+            outer.warmup_lr_scale(self.cfg.outer, close.version),
         )
         hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions

@@ -35,6 +35,11 @@ class OuterOptimizerConfig(_Frozen):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    warmup_rounds: int = Field(
+        0,
+        ge=0,
+        description="outer lr ramps linearly over each fragment's first rounds (0: none)",
+    )
 
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]
