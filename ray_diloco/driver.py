@@ -235,6 +235,9 @@ class _Run:
             st, sup = self._poll()
             if st["finished"]:
                 return "token budget reached"
+            if st["merge_error"]:
+                logger.error("the synchronizer cannot merge: %s", st["merge_error"])
+                return f"the synchronizer cannot merge ({st['merge_error']})"
             if sup["all_gave_up"]:
                 # The learners stop at the budget too: a shard answering late (being restored)
                 # can make the synchronizer's answer older than the supervisor's. Ask again.

@@ -112,6 +112,7 @@ SUMMARY_FIELDS = (
     ("uptime", "uptime"),
     ("wall_time_s", "wall time (s)"),
     ("virtual_time_s", "virtual time (s)"),
+    ("stop_reason", "stopped because"),
 )
 
 

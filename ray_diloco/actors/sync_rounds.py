@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import RoundClosed
+from ray_diloco.control.merge_health import MergeHealth
 
 if TYPE_CHECKING:  # JAX-using: imported inside the actor, never at module level
     from ray_diloco.actors.sync_checkpoint import CheckpointWriter
@@ -41,6 +42,7 @@ class RoundDuty:
     finished_at: float | None
     delivered: dict[int, int]
     merged_by: dict[str, tuple[int, int]]
+    merge_health: MergeHealth
     metrics: Any
     deliveries: Any
     _closing: dict[tuple[int, int], RoundClosed]
@@ -80,6 +82,8 @@ class RoundDuty:
                 logger.exception("synchronizer round thread")
 
     def _idle_s(self) -> float:
+        if self.merge_health.in_a_row:  # a failed round is due again at once: no busy retry
+            return IDLE_POLL_S
         deadline = self.core.book.next_deadline()
         if deadline is None:
             return IDLE_POLL_S
@@ -116,12 +120,15 @@ class RoundDuty:
                 started = time.perf_counter()
                 pub = self.core.merge(close)  # outside the lock: offers and reports go on
                 self.metrics.merge_time(time.perf_counter() - started)
-            except Exception:
-                logger.exception("merge of fragment %d failed; round put back", close.fragment)
+            except Exception as err:
+                if not self.merge_health.in_a_row:  # the first of a streak: its traceback
+                    logger.exception("merge of fragment %d failed; round put back", close.fragment)
                 with self._lock:
                     self.core.book.abort(close, self._now())
+                    self.merge_health.failed(close.fragment, err, time.monotonic())
                 continue
             with self._lock:
+                self.merge_health.succeeded()
                 for meta in self.core.commit(pub, self._now()):  # dropped as late
                     self._record_rejection(meta, "late")
                 for c in close.contributions:

@@ -70,6 +70,8 @@ def combine_status(statuses: list[dict[str, Any] | None]) -> dict[str, Any]:
         for v in st["ledger_violations"]
     ]
     out["tokens_dropped"] = first["tokens_dropped"]
+    errors = [(st["shard"], st["merge_error"]) for st in answered if st["merge_error"]]
+    out["merge_error"] = next((f"shard {s}: {e}" if s else e for s, e in errors), None)
     # A learner's last merged contribution, whichever shard merged it.
     latest: dict[str, tuple[int, int]] = {}
     for st in answered:

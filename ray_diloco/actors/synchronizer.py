@@ -53,6 +53,7 @@ from ray_diloco.actors.sync_rounds import RoundDuty
 from ray_diloco.algorithm.wire import offered_bytes
 from ray_diloco.config import RunConfig, config_digest
 from ray_diloco.control.events import ContributionRejected, RoundClosed
+from ray_diloco.control.merge_health import MergeHealth
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
@@ -108,6 +109,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         # and step of its last merged contribution (the supervisor detects rejoins from them).
         self.registered: dict[str, dict[str, Any]] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
+        self.merge_health = MergeHealth()
         self._init_evaluation()
         self._links = DelayedCalls("publish-links")
         self.deliveries = Deliveries(self._delivered)
@@ -258,6 +260,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
                 "checkpoint_writing": self.checkpoints is not None and self.checkpoints.writing,
                 "learners": self.journal.learner_table(),
                 "finished": self.finished_at is not None,
+                "merge_error": self.merge_health.error,
                 "restored": self.restored,
                 "registered": dict(self.registered),
                 "merged_incarnations": {n: inc for n, (inc, _) in self.merged_by.items()},

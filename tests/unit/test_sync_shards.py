@@ -110,6 +110,7 @@ def _status(shard: int, rounds: int, merged: dict[str, int], violations: list[st
         "restored": None,
         "rss_mb": 100.0,
         "tokens": 1000,
+        "merge_error": None,
     }
 
 
@@ -126,5 +127,10 @@ def test_combined_status_adds_up_the_shards() -> None:
     assert st["merged_steps"] == {"a": 20} and st["merged_incarnations"] == {"a": 0}
     assert st["registered"]["a"]["versions"] == {0: 4, 1: 2}
     # A shard that has not answered yet only leaves its counters out.
+    assert st["merge_error"] is None
+    # A shard that cannot merge makes the whole synchronizer's status say so.
+    broken = _status(1, 2, {"a": 3}, []) | {"merge_error": "the merge of fragment 1 failed"}
+    st = combine_status([_status(0, 4, {"a": 6}, []), broken])
+    assert st["merge_error"] == "shard 1: the merge of fragment 1 failed"
     partial = combine_status([_status(0, 4, {"a": 6}, []), None])
     assert partial["rounds"] == 4 and partial["shards"][1] is None
