@@ -29,6 +29,18 @@ QUICK_MODEL = [
     "diloco.num_fragments=8",
     "task_args.data.eval_batches=2",
 ]
+# The quality benchmarks' variants start from algorithm.md as written (every learner receives
+# every round, a round steps in full, a new version overwrites the learner's values) and name
+# what they change.
+AS_WRITTEN = [
+    "diloco.publish_to=all",
+    "diloco.round_step=full",
+    "diloco.keep_unsent_work=false",
+    "diloco.mixing_alpha=0",
+]
+# On top of AS_WRITTEN, the config's defaults since 2026-11-27: the sqrt step with Streaming
+# DiLoCo's mixing.
+MIX = ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -34,10 +34,15 @@ INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP
 MODES = ["decoupled", "synchronous", "data_parallel"]
 
 
-def run(mode: str, mtbf_s: float | None, quick: bool) -> dict[str, Any]:
-    if mtbf_s and quick:
-        mtbf_s /= 40  # the quick run is ~40x shorter: keep a few failures in it
-    chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf_s}"] if mtbf_s else []
+def mtbf_s(intensity: str, quick: bool) -> float | None:
+    """Virtual seconds between failures per learner at `intensity` (None: no failures)."""
+    mtbf = INTENSITIES[intensity]
+    return mtbf / 40 if mtbf and quick else mtbf  # quick: ~40x shorter, still a few failures
+
+
+def run(mode: str, intensity: str, quick: bool) -> dict[str, Any]:
+    mtbf = mtbf_s(intensity, quick)
+    chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf}"] if mtbf else []
     overrides = [
         *(QUICK if quick else ["token_budget=1000000"]),
         f"diloco.mode={mode}",
@@ -57,7 +62,7 @@ def time_to(evals: list[dict[str, float]], target: float) -> float | None:
     return next((e["t"] for e in evals if e["heldout_loss"] <= target), None)
 
 
-def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -> None:
+def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str, quick: bool) -> None:
     fig = Figure(figsize=(11, 4.2))
     ax_loss, ax_good = fig.subplots(1, 2)
     for (mode, intensity), s in results.items():
@@ -75,7 +80,8 @@ def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str) -
     for mode in MODES:
         xs = list(INTENSITIES)
         ax_good.plot(xs, [results[(mode, i)]["goodput"] for i in xs], marker="o", label=mode)
-    ax_good.set_xlabel("failures per learner (none; 1 per 1000 or 200 inner steps)")
+    moderate, aggressive = (f"{mtbf_s(i, quick) / STEP_S:.0f}" for i in ("moderate", "aggressive"))
+    ax_good.set_xlabel(f"failures per learner (none; 1 per {moderate} or {aggressive} inner steps)")
     ax_good.set_ylabel("goodput")
     ax_good.set_ylim(0, 1.05)
     ax_good.legend(fontsize=8)
@@ -88,9 +94,9 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     cache_compilations()
     results = {}
-    for intensity, mtbf in INTENSITIES.items():
+    for intensity in INTENSITIES:
         for mode in MODES:
-            results[(mode, intensity)] = s = run(mode, mtbf, args.quick)
+            results[(mode, intensity)] = s = run(mode, intensity, args.quick)
             line = f"goodput {s['goodput']:.3f} uptime {s['uptime']:.3f}"
             print(f"{mode:13s} {intensity:10s} {line} ({s['wall_s']:.0f}s)", flush=True)
     # target: the worst fault-free final loss, so every fault-free run reaches it
@@ -102,7 +108,7 @@ def main() -> None:
             {
                 "mode": mode,
                 "failures": intensity,
-                "mtbf_steps": INTENSITIES[intensity] and INTENSITIES[intensity] / STEP_S,
+                "mtbf_steps": (mtbf_s(intensity, args.quick) or 0) / STEP_S or None,
                 "num_failures": s["failures"],
                 "goodput": s["goodput"],
                 "goodput_vs_dp": s["goodput"] / dp if dp else None,
@@ -114,7 +120,7 @@ def main() -> None:
         )
     name = "goodput-quick" if args.quick else "goodput"
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out, name)
+    plot(results, args.out, name, args.quick)
     columns = [
         "mode",
         "failures",

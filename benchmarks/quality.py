@@ -18,23 +18,22 @@ from typing import Any
 from ray_diloco.config import load_config
 from ray_diloco.sim.simulate import run_reference
 
-from common import QUICK_MODEL, REFERENCE, parser, plot_loss_curves, write_results
+from common import (
+    AS_WRITTEN,
+    MIX,
+    QUICK_MODEL,
+    REFERENCE,
+    parser,
+    plot_loss_curves,
+    write_results,
+)
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
-# Every variant starts from algorithm.md as written (every learner receives every round, a
-# round steps in full, a new version overwrites the learner's values) and names what it
-# changes; the default config is the row DEFAULT_ROW (the sqrt step with mixing, since
-# 2026-11-27; the sqrt step alone, DEFAULT, before).
-AS_WRITTEN = [
-    "diloco.publish_to=all",
-    "diloco.round_step=full",
-    "diloco.keep_unsent_work=false",
-    "diloco.mixing_alpha=0",
-]
+# Every variant names what it changes from AS_WRITTEN; the default config is the row
+# DEFAULT_ROW (MIX, since 2026-11-27; the sqrt step alone, DEFAULT, before).
 DEFAULT = "decoupled K=1 grace, sqrt step"
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
-MIX = ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"]  # DEFAULT_ROW's overrides
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],

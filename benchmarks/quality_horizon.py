@@ -26,6 +26,8 @@ from ray_diloco.config import RunConfig, build_config, load_config
 from ray_diloco.tasks.byte_lm import ByteLMArgs
 
 from common import (
+    AS_WRITTEN,
+    MIX,
     QUICK_MODEL,
     REFERENCE,
     cache_compilations,
@@ -44,13 +46,7 @@ HORIZON = [
 QUICK = [*QUICK_MODEL, "token_budget=30000"]
 GLOBAL_BATCH = 32
 SEEDS = (0, 1, 2)
-# As in quality.py: every variant starts from algorithm.md as written and names its change.
-AS_WRITTEN = [
-    "diloco.publish_to=all",
-    "diloco.round_step=full",
-    "diloco.keep_unsent_work=false",
-    "diloco.mixing_alpha=0",
-]
+# As in quality.py: every variant names what it changes from AS_WRITTEN (common.py).
 AS_WRITTEN_K1 = "decoupled K=1 grace"
 DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
 # The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP).
@@ -164,7 +160,6 @@ SQRT_SWEEP: dict[str, list[str]] = {
     f"{DEFAULT}, mixing alpha {alpha}": [*SQRT, f"diloco.mixing_alpha={alpha}"]
     for alpha in (0.25, 0.5)
 }
-MIX = [*SQRT, "diloco.mixing_alpha=0.25"]  # the config's defaults since 2026-11-27
 # The default's grace and merge targets (issue 11) with the mix.
 DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": (

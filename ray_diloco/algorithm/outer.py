@@ -44,20 +44,21 @@ class OuterOptimizer:
     lr: float
     momentum: float
     nesterov: bool
+    warmup_rounds: int = 0
 
 
 def make_outer_optimizer(cfg: OuterOptimizerConfig) -> OuterOptimizer:
-    return OuterOptimizer(cfg.lr, cfg.momentum, cfg.nesterov)
+    return OuterOptimizer(cfg.lr, cfg.momentum, cfg.nesterov, cfg.warmup_rounds)
 
 
-def warmup_lr_scale(cfg: OuterOptimizerConfig, version: int) -> float:
+def warmup_lr_scale(tx: OuterOptimizer, version: int) -> float:
     """The outer learning rate's share at the round that makes `version` of a fragment
     (1, 2, ...): linear from 1/warmup_rounds to 1 over the fragment's first `warmup_rounds`
     rounds, then 1. Early outer gradients are the largest of a run, and Nesterov momentum
     0.9 carries each about lr / (1 - momentum) = 7 times its size over the next rounds."""
-    if cfg.warmup_rounds <= 0:
+    if tx.warmup_rounds <= 0:
         return 1.0
-    return min(1.0, version / cfg.warmup_rounds)
+    return min(1.0, version / tx.warmup_rounds)
 
 
 def _host(values: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:

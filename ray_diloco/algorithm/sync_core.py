@@ -285,7 +285,7 @@ class SynchronizerCore(RecoveringCore):
             scale,
             fraction,
             accelerated,
-            outer.warmup_lr_scale(self.cfg.outer, close.version),
+            outer.warmup_lr_scale(self.tx, close.version),
         )
         hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions

@@ -174,13 +174,12 @@ def test_warmup_scales_the_learning_rate_over_the_first_rounds() -> None:
     # warmup_rounds 4: versions 1..4 take 1/4, 2/4, 3/4 and 1 of the lr, then 1. The trace is
     # the warm-up's business only through the update: from 0 with g = 1 the first step at a
     # quarter of lr 0.7 moves by -0.175 * (1 + 0.9) = -0.3325, and the trace is still 1.
-    cfg = OuterOptimizerConfig(warmup_rounds=4)
-    assert [outer.warmup_lr_scale(cfg, v) for v in (1, 2, 3, 4, 9)] == [0.25, 0.5, 0.75, 1, 1]
-    assert outer.warmup_lr_scale(OuterOptimizerConfig(), 1) == 1.0
-    tx = make_outer_optimizer(cfg)
+    tx = make_outer_optimizer(OuterOptimizerConfig(warmup_rounds=4))
+    assert [outer.warmup_lr_scale(tx, v) for v in (1, 2, 3, 4, 9)] == [0.25, 0.5, 0.75, 1, 1]
+    assert outer.warmup_lr_scale(make_outer_optimizer(OuterOptimizerConfig()), 1) == 1.0
     values = {"w": np.zeros(2, np.float32)}
     state = init_outer_state(tx, values)
     grad = {"w": np.ones(2, np.float32)}
-    warm, warm_state = outer_step(tx, values, state, grad, lr_scale=outer.warmup_lr_scale(cfg, 1))
+    warm, warm_state = outer_step(tx, values, state, grad, lr_scale=outer.warmup_lr_scale(tx, 1))
     np.testing.assert_allclose(warm["w"], -0.3325, rtol=1e-6)
     np.testing.assert_allclose(warm_state["trace"]["w"], 1.0)

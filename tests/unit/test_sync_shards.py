@@ -126,11 +126,11 @@ def test_combined_status_adds_up_the_shards() -> None:
     assert st["tokens"] == 1000 and st["tokens_dropped"] == 7  # shard 0's books
     assert st["merged_steps"] == {"a": 20} and st["merged_incarnations"] == {"a": 0}
     assert st["registered"]["a"]["versions"] == {0: 4, 1: 2}
-    # A shard that has not answered yet only leaves its counters out.
     assert st["merge_error"] is None
     # A shard that cannot merge makes the whole synchronizer's status say so.
     broken = _status(1, 2, {"a": 3}, []) | {"merge_error": "the merge of fragment 1 failed"}
     st = combine_status([_status(0, 4, {"a": 6}, []), broken])
     assert st["merge_error"] == "shard 1: the merge of fragment 1 failed"
+    # A shard that has not answered yet only leaves its counters out.
     partial = combine_status([_status(0, 4, {"a": 6}, []), None])
     assert partial["rounds"] == 4 and partial["shards"][1] is None
