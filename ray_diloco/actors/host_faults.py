@@ -1,7 +1,8 @@
 """Layer: actors (Ray shell; this module itself is plain Python). Faults a learner host applies
 to itself when the chaos engine (faults.py) asks: the hooks `LearnerHost` calls in its loop.
 
-- straggler: every step takes `factor` times its emulated time until the window ends;
+- straggler: every step takes `factor` times as long as it otherwise would (its emulated time,
+  or its real one when that is longer) until the window ends;
 - corrupt_nan: the next offered contribution carries NaN. `wire.encode` refuses non-finite
   input, so the `wire.Encoded` bytes are built here directly (NaN payload for float32/bfloat16,
   NaN scales for int8/int4), exactly what a bit flip or a diverged learner would send;
