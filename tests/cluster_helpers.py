@@ -30,6 +30,13 @@ SLICES = {
 # Ray waits a hard-coded 30 s for a new raylet to register with the GCS, and `Cluster` 30 s for
 # it to show up; on a busy machine (load 20 on 2 cores, measured) that is not enough.
 NODE_START_TIMEOUT_S = 180.0
+# The ports a raylet otherwise learns from files its dashboard agent writes once it is up.
+AGENT_PORTS = (
+    "metrics_agent_port",
+    "metrics_export_port",
+    "dashboard_agent_listen_port",
+    "runtime_env_agent_port",
+)
 
 
 def agent_ports() -> dict[str, int]:
@@ -153,10 +160,10 @@ def patient_node_start(
       tests never use): the raylet waits 15 s (hard-coded in Ray 2.60) for the agent's
       listen port, written only once those modules loaded, then crashes; at load ~25 on
       2 cores they took longer (measured). `minimal_agent=False` keeps the full agent (it
-      serves the metrics export port that tests/ray scrapes) and chooses its metrics and
-      runtime-env agent ports up front instead, so the raylet does not wait for those files
+      serves the metrics export port that tests/ray scrapes) and chooses every port of the
+      agent up front instead (`AGENT_PORTS`), so the raylet does not wait for their files
       (`ray.init` takes no such ports; measured: at load 40 on 2 cores the raylet crashed
-      waiting for metrics_agent_port)."""
+      waiting for metrics_agent_port, and at load 15 for metrics_export_port)."""
     import ray._private.node
     import ray._private.utils
     from ray._private import services
@@ -176,8 +183,8 @@ def patient_node_start(
     node_init = ray._private.node.Node.__init__
 
     def init_with_agent_ports(self: Any, ray_params: Any, *args: Any, **kwargs: Any) -> None:
-        ray_params.metrics_agent_port = ray_params.metrics_agent_port or free_port()
-        ray_params.runtime_env_agent_port = ray_params.runtime_env_agent_port or free_port()
+        for port in AGENT_PORTS:
+            setattr(ray_params, port, getattr(ray_params, port) or free_port())
         node_init(self, ray_params, *args, **kwargs)
 
     services.get_node = get_node
