@@ -70,7 +70,8 @@ class RoundDuty:
             self._wake.clear()
             try:
                 self._recover()
-                self._close_rounds()
+                if self.merge_health.retry_due(time.monotonic()):
+                    self._close_rounds()
                 rounds = self.rounds()
                 if self.checkpoints is not None:
                     self.checkpoints.when_due()
@@ -82,8 +83,8 @@ class RoundDuty:
                 logger.exception("synchronizer round thread")
 
     def _idle_s(self) -> float:
-        if self.merge_health.in_a_row:  # a failed round is due again at once: no busy retry
-            return IDLE_POLL_S
+        if self.merge_health.in_a_row:  # a failed round is due again at once: retry paced
+            return self.merge_health.retry_s
         deadline = self.core.book.next_deadline()
         if deadline is None:
             return IDLE_POLL_S

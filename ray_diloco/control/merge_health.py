@@ -16,18 +16,28 @@ from dataclasses import dataclass
 
 @dataclass
 class MergeHealth:
-    """Failed merges in a row since `since` (a clock reading); `error` once they count
-    `limit` over `for_s` seconds. The error stays: the run ends on it."""
+    """Failed merges in a row since `since` (a clock reading), the last at `last`; `error`
+    once they count `limit` over `for_s` seconds. The error stays: the run ends on it."""
 
     limit: int = 5
     for_s: float = 30.0
+    retry_s: float = 0.1
     in_a_row: int = 0
     since: float | None = None
+    last: float | None = None
     error: str | None = None
+
+    def retry_due(self, now: float) -> bool:
+        """Whether rounds may be merged now: always outside a streak of failures, and
+        `retry_s` after the last failure within one. Every offer wakes the round thread, so
+        a merge that fails every time was retried at the rate offers came (about 30 a second
+        with two learners)."""
+        return self.last is None or now - self.last >= self.retry_s
 
     def failed(self, fragment: int, err: BaseException, now: float) -> None:
         self.in_a_row += 1
         self.since = now if self.since is None else self.since
+        self.last = now
         lasting = now - self.since >= self.for_s
         if self.in_a_row >= self.limit and lasting and self.error is None:
             self.error = (
@@ -36,4 +46,4 @@ class MergeHealth:
             )
 
     def succeeded(self) -> None:
-        self.in_a_row, self.since = 0, None
+        self.in_a_row, self.since, self.last = 0, None, None

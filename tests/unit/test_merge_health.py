@@ -34,3 +34,14 @@ def test_a_success_starts_the_count_and_the_clock_over() -> None:
     assert health.error is None
     health.failed(1, MemoryError(), now=65.0)
     assert health.error is not None and "4 times in a row over 30 s" in health.error
+
+
+def test_a_failing_merge_is_retried_at_the_retry_pace_not_at_every_wake() -> None:
+    health = MergeHealth(retry_s=0.1)
+    assert health.retry_due(now=0.0)  # no failure yet: merge whenever woken
+    health.failed(0, MemoryError(), now=5.0)
+    assert not health.retry_due(now=5.05)  # an offer woke the round thread: not yet
+    assert health.retry_due(now=5.2)
+    health.failed(0, MemoryError(), now=5.2)
+    health.succeeded()
+    assert health.retry_due(now=5.2)
