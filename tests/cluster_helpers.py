@@ -30,13 +30,9 @@ SLICES = {
 # Ray waits a hard-coded 30 s for a new raylet to register with the GCS, and `Cluster` 30 s for
 # it to show up; on a busy machine (load 20 on 2 cores, measured) that is not enough.
 NODE_START_TIMEOUT_S = 180.0
-# The ports a raylet otherwise learns from files its dashboard agent writes once it is up.
-AGENT_PORTS = (
-    "metrics_agent_port",
-    "metrics_export_port",
-    "dashboard_agent_listen_port",
-    "runtime_env_agent_port",
-)
+# The agents' ports a raylet takes on its command line; at 0 it waits 15 s for each one's file
+# instead (it always waits so for the dashboard agent's HTTP listen port: Ray 2.60 passes it none).
+AGENT_PORTS = ("metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")
 
 
 def agent_ports() -> dict[str, int]:
@@ -160,10 +156,11 @@ def patient_node_start(
       tests never use): the raylet waits 15 s (hard-coded in Ray 2.60) for the agent's
       listen port, written only once those modules loaded, then crashes; at load ~25 on
       2 cores they took longer (measured). `minimal_agent=False` keeps the full agent (it
-      serves the metrics export port that tests/ray scrapes) and chooses every port of the
-      agent up front instead (`AGENT_PORTS`), so the raylet does not wait for their files
+      serves the metrics export port that tests/ray scrapes) and chooses the agents' ports
+      up front instead (`AGENT_PORTS`), so the raylet does not wait for their files
       (`ray.init` takes no such ports; measured: at load 40 on 2 cores the raylet crashed
-      waiting for metrics_agent_port, and at load 15 for metrics_export_port)."""
+      waiting for metrics_agent_port, and at load 15 for metrics_export_port; it still waits
+      for the full agent's HTTP listen port, and once crashed on it at load 15)."""
     import ray._private.node
     import ray._private.utils
     from ray._private import services

@@ -22,14 +22,17 @@ pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
-# `ray-diloco ...` in a process of its own, whose embedded local Ray starts as this module's
-# does (`patient_node_start`): Ray waits a hard-coded 30 s for a new raylet to register, which
-# a clean-clone suite run outlasted (2026-11-27: "The current node timed out during startup").
+# `ray-diloco ...` in a process of its own, whose embedded local Ray starts patiently
+# (`patient_node_start`): Ray waits a hard-coded 30 s for a new raylet to register, which a
+# clean-clone suite run outlasted (2026-11-27: "The current node timed out during startup").
+# With the minimal dashboard agent (nothing scrapes this Ray's metrics; run it with
+# `--no-dashboard`): the raylet waits 15 s for the agent's HTTP listen port, which the full
+# agent writes only once all its modules loaded, and at load 15 it crashed so (2026-11-28).
 PATIENT_CLI = (
     "import sys\n"
     "from ray_diloco.cli import main\n"
     "from tests.cluster_helpers import patient_node_start\n"
-    "with patient_node_start(minimal_agent=False):\n"
+    "with patient_node_start():\n"
     "    sys.exit(main())\n"
 )
 
@@ -186,7 +189,7 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
     env.pop("RAY_ADDRESS", None)
     with open(tmp_path / "first-session.log", "w") as log:
         first = subprocess.Popen(
-            [sys.executable, "-c", PATIENT_CLI, "train", "--config", str(job)],
+            [sys.executable, "-c", PATIENT_CLI, "train", "--config", str(job), "--no-dashboard"],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
