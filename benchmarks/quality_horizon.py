@@ -191,6 +191,16 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         4,
         (0,),
     ),
+    # The narrow wires both ways at this horizon (the bandwidth table runs 500k tokens, one
+    # seed: int4 +0.0% and int2 +0.8% against the bfloat16 wire there).
+    **{
+        f"{DEFAULT_ROW}, {bits} both ways": (
+            [*MIX, f"diloco.wire_dtype={bits}", f"diloco.publish_delta={bits}"],
+            4,
+            SEEDS,
+        )
+        for bits in ("int4", "int2")
+    },
 }
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
