@@ -108,7 +108,7 @@ def main() -> None:
             {
                 "mode": mode,
                 "failures": intensity,
-                "mtbf_steps": (mtbf_s(intensity, args.quick) or 0) / STEP_S or None,
+                "mtbf_steps": (mtbf := mtbf_s(intensity, args.quick)) and mtbf / STEP_S,
                 "num_failures": s["failures"],
                 "goodput": s["goodput"],
                 "goodput_vs_dp": s["goodput"] / dp if dp else None,

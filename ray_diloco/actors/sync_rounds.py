@@ -83,7 +83,7 @@ class RoundDuty:
                 logger.exception("synchronizer round thread")
 
     def _idle_s(self) -> float:
-        if self.merge_health.in_a_row:  # a failed round is due again at once: retry paced
+        if self.merge_health.in_a_row:  # within a streak of failed merges: wake for the retry
             return self.merge_health.retry_s
         deadline = self.core.book.next_deadline()
         if deadline is None:
