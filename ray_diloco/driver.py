@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_OBJECT_STORE_BYTES = 300 * 10**6
 SCALE_HEADROOM_CPUS = 2  # an embedded Ray's room for learners added to the running job
+# An embedded Ray has one node, so declaring it dead can only end the run. Ray's defaults (a
+# 10 s answer, 5 misses) did that to a one-node test Ray whose raylet was starved at start on a
+# busy 2-core machine; here the node gets 30 s to answer each check and 20 misses (~10 min).
+ONE_NODE_HEALTH_CHECKS = {"health_check_timeout_ms": 30_000, "health_check_failure_threshold": 20}
 SYNC_START_TIMEOUT_S = 600.0  # building data and parameters on a busy laptop
 STOP_TIMEOUT_S = 60.0
 RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl", *REPORT_FILES)
@@ -113,6 +117,7 @@ def _connect(cfg: RunConfig, address: str | None, dashboard: bool) -> tuple[bool
         object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
         include_dashboard=dashboard,
         namespace=cfg.synchronizer.namespace,
+        _system_config=ONE_NODE_HEALTH_CHECKS,
     )
     return True, _url(context.dashboard_url) if dashboard else None
 

@@ -82,6 +82,8 @@ def ray_local() -> Iterator[LocalRay]:
     prepare_ray_env()
     import ray
 
+    from ray_diloco.driver import ONE_NODE_HEALTH_CHECKS
+
     if not _running(_shared):
         if ray.is_initialized():  # someone else's Ray; never connect to it
             ray.shutdown()
@@ -94,7 +96,7 @@ def ray_local() -> Iterator[LocalRay]:
                 include_dashboard=False,
                 namespace=NAMESPACE,
                 _metrics_export_port=port,
-                _system_config={"metrics_report_interval_ms": 1000},
+                _system_config={"metrics_report_interval_ms": 1000, **ONE_NODE_HEALTH_CHECKS},
             )
         _shared = LocalRay(NAMESPACE, port, context.address_info["gcs_address"])
     yield _shared

@@ -36,6 +36,8 @@ def ray_with_dashboard() -> Iterator[DashboardRay]:
     prepare_ray_env()
     import ray
 
+    from ray_diloco.driver import ONE_NODE_HEALTH_CHECKS
+
     if ray.is_initialized():
         ray.shutdown()
     port = free_port()
@@ -48,7 +50,7 @@ def ray_with_dashboard() -> Iterator[DashboardRay]:
             dashboard_port=free_port(),
             namespace="diloco-test-monitoring",
             _metrics_export_port=port,
-            _system_config={"metrics_report_interval_ms": 1000},
+            _system_config={"metrics_report_interval_ms": 1000, **ONE_NODE_HEALTH_CHECKS},
         )
     try:
         yield DashboardRay(f"http://127.0.0.1:{port}/metrics", f"http://{context.dashboard_url}")
