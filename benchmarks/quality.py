@@ -107,6 +107,16 @@ VARIANTS: dict[str, list[str]] = {
     DEFAULT_ROW: MIX,
     "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": ["diloco.grace_fraction=0", *MIX],
     f"{DEFAULT_ROW}, mean merge": [*MIX, "diloco.merge=mean"],
+    # The narrow wires both ways (quality_horizon.py, 2026-11-28: int2 ahead of the bfloat16
+    # wire on every seed at 2.56M tokens, but 0.8% behind it at 500k in the bandwidth table).
+    **{
+        f"{DEFAULT_ROW}, {bits} both ways": [
+            *MIX,
+            f"diloco.wire_dtype={bits}",
+            f"diloco.publish_delta={bits}",
+        ]
+        for bits in ("int4", "int2")
+    },
 }
 
 
