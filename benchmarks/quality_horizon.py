@@ -201,6 +201,10 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         )
         for bits in ("int4", "int2")
     },
+    # Fewer, larger rounds (each at least sqrt(2/4) = 0.71 of a step), and a longer grace
+    # window (more learners a round), seed 0: does either close the gap to synchronous DiLoCo?
+    f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, (0,)),
+    f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
 }
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's

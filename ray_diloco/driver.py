@@ -49,6 +49,12 @@ SCALE_HEADROOM_CPUS = 2  # an embedded Ray's room for learners added to the runn
 # 10 s answer, 5 misses) did that to a one-node test Ray whose raylet was starved at start on a
 # busy 2-core machine; here the node gets 30 s to answer each check and 20 misses (~10 min).
 ONE_NODE_HEALTH_CHECKS = {"health_check_timeout_ms": 30_000, "health_check_failure_threshold": 20}
+# On a busy machine an embedded Ray's node can fail to start: its raylet waits 15 s (hard-coded
+# in Ray 2.60) for the dashboard agent to write its port, then exits, and `ray.init` gives up
+# 30 s later with this message (measured on 2 cores beside two busy processes and a chaos test:
+# the agent's Python took 25 s to start). Nothing has run yet, so starting again is safe.
+NODE_START_TIMED_OUT = "timed out during startup"
+EMBEDDED_START_ATTEMPTS = 3
 SYNC_START_TIMEOUT_S = 600.0  # building data and parameters on a busy laptop
 STOP_TIMEOUT_S = 60.0
 RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl", *REPORT_FILES)
@@ -111,14 +117,26 @@ def _connect(cfg: RunConfig, address: str | None, dashboard: bool) -> tuple[bool
     cpus = sum(max(1, round(lg.cpus_per_host)) * lg.num_hosts for lg in (*cfg.learners, *joins))
     cpus += 1 + SCALE_HEADROOM_CPUS  # the synchronizer's side, and room to `ray-diloco scale`
     logger.info("starting an embedded local Ray with %d CPUs", cpus)
-    context = ray.init(
-        address="local",  # never a stale cluster from /tmp/ray/ray_current_cluster
-        num_cpus=cpus,
-        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
-        include_dashboard=dashboard,
-        namespace=cfg.synchronizer.namespace,
-        _system_config=ONE_NODE_HEALTH_CHECKS,
-    )
+    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+        try:
+            context = ray.init(
+                address="local",  # never a stale cluster from /tmp/ray/ray_current_cluster
+                num_cpus=cpus,
+                object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+                include_dashboard=dashboard,
+                namespace=cfg.synchronizer.namespace,
+                _system_config=dict(ONE_NODE_HEALTH_CHECKS),  # Ray adds its own keys to it
+            )
+            break
+        except Exception as err:  # Ray raises a bare Exception when its node never registers
+            if NODE_START_TIMED_OUT not in str(err) or attempt == EMBEDDED_START_ATTEMPTS:
+                raise
+            logger.warning(
+                "the embedded local Ray did not come up (%s); starting it again (%d of %d)",
+                err,
+                attempt + 1,
+                EMBEDDED_START_ATTEMPTS,
+            )
     return True, _url(context.dashboard_url) if dashboard else None
 
 

@@ -35,13 +35,6 @@ NODE_START_TIMEOUT_S = 180.0
 AGENT_PORTS = ("metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")
 
 
-def agent_ports() -> dict[str, int]:
-    """The port of a node's runtime-env agent, chosen here: a raylet given none waits 15 s
-    (hard-coded in Ray 2.60) for the agent to write it to a file, then crashes; on a busy
-    machine the agent's imports alone can take longer (see `patient_node_start`)."""
-    return {"runtime_env_agent_port": free_port()}
-
-
 # A killed host is declared dead in 1-1.5 s (ray-notes §3.3) instead of ~16 s: its raylet's
 # port refuses the check at once, so three failed checks take three periods. A live raylet gets
 # 10 s to answer each check: with 1 s, one starved for 3 s on a busy machine would be declared
@@ -85,7 +78,7 @@ def _add_node(
     startup can be declared dead, and the tests need a cluster, not that node."""
     with _env(env), patient_node_start():
         node = cluster.add_node(
-            object_store_memory=HOST_OBJECT_STORE_BYTES, wait=False, **agent_ports(), **node_args
+            object_store_memory=HOST_OBJECT_STORE_BYTES, wait=False, **node_args
         )
     if not wait:
         return node
@@ -151,21 +144,26 @@ def patient_node_start(
     """Let a node started inside the block come up on a busy machine (tests only):
 
     - its registration may take up to `timeout_s`: Ray's own wait (`ray._private.node.Node`,
-      30 s) polls `services.get_node`, which here retries until then instead of failing;
+      30 s) polls `services.get_node`, which here retries until then instead of failing,
+      unless the node's raylet has exited (it then never registers: Ray fails after its 30 s);
+    - the agents' ports are chosen up front (`AGENT_PORTS`), so the raylet does not wait for
+      their files: it waits 15 s (hard-coded in Ray 2.60) for each, then crashes (`ray.init`
+      takes no such ports; measured: at load 40 on 2 cores the raylet crashed waiting for
+      metrics_agent_port, at load 15 for metrics_export_port, and on 2026-11-28, beside two
+      busy processes and a chaos test, for a minimal agent's metrics_agent_port);
     - its dashboard agent runs `--minimal` (no HTTP server, no dashboard modules, which the
-      tests never use): the raylet waits 15 s (hard-coded in Ray 2.60) for the agent's
-      listen port, written only once those modules loaded, then crashes; at load ~25 on
-      2 cores they took longer (measured). `minimal_agent=False` keeps the full agent (it
-      serves the metrics export port that tests/ray scrapes) and chooses the agents' ports
-      up front instead (`AGENT_PORTS`), so the raylet does not wait for their files
-      (`ray.init` takes no such ports; measured: at load 40 on 2 cores the raylet crashed
-      waiting for metrics_agent_port, and at load 15 for metrics_export_port; it still waits
-      for the full agent's HTTP listen port, and once crashed on it at load 15)."""
+      tests never use): the raylet also waits 15 s for the agent's HTTP listen port, written
+      only once those modules loaded, and at load ~25 on 2 cores they took longer
+      (measured). `minimal_agent=False` keeps the full agent (it serves the metrics export
+      port that tests/ray scrapes); the raylet still waits for its listen port, and once
+      crashed on it at load 15."""
     import ray._private.node
     import ray._private.utils
     from ray._private import services
 
     original, dependencies = services.get_node, ray._private.utils.get_dashboard_dependency_error
+
+    starting: list[Any] = []  # the node being started, whose raylet `get_node` watches
 
     def get_node(gcs_address: str, node_id: str) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -173,7 +171,8 @@ def patient_node_start(
             try:
                 return original(gcs_address, node_id)
             except RuntimeError:
-                if time.monotonic() > deadline:
+                # A raylet that crashed never registers: fail now, not at the deadline.
+                if time.monotonic() > deadline or any(map(_raylet_exited, starting)):
                     raise
                 time.sleep(0.5)
 
@@ -182,19 +181,30 @@ def patient_node_start(
     def init_with_agent_ports(self: Any, ray_params: Any, *args: Any, **kwargs: Any) -> None:
         for port in AGENT_PORTS:
             setattr(ray_params, port, getattr(ray_params, port) or free_port())
-        node_init(self, ray_params, *args, **kwargs)
+        starting.append(self)
+        try:
+            node_init(self, ray_params, *args, **kwargs)
+        finally:
+            starting.remove(self)
 
     services.get_node = get_node
+    ray._private.node.Node.__init__ = init_with_agent_ports  # type: ignore[method-assign]
     if minimal_agent:
         ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("tests: minimal")
-    else:
-        ray._private.node.Node.__init__ = init_with_agent_ports  # type: ignore[method-assign]
     try:
         yield
     finally:
         services.get_node = original
         ray._private.utils.get_dashboard_dependency_error = dependencies
         ray._private.node.Node.__init__ = node_init  # type: ignore[method-assign]
+
+
+def _raylet_exited(node: Any) -> bool:
+    """Whether the raylet that `node` (a `ray._private.node.Node`) started has exited."""
+    from ray._private import ray_constants
+
+    infos = getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    return any(info.process.poll() is not None for info in infos)
 
 
 @contextlib.contextmanager
@@ -292,7 +302,6 @@ def _start_head(region: str | None = None, **head_args: Any) -> Any:
                 "num_cpus": 1,
                 "include_dashboard": False,
                 "object_store_memory": 100 * 2**20,
-                **agent_ports(),
                 **head_args,
             },
         )

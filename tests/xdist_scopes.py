@@ -24,8 +24,13 @@ from xdist.scheduler import LoadScopeScheduling
 
 SHARED_RAY = "tests/ray/ (shared Ray)"
 # tests/ray modules that start a Ray of their own (a job server, a dashboard, a cluster from
-# the job files): nothing to share, so each is a unit that can run beside the shared one.
-OWN_RAY = ("test_job_server.py", "test_monitoring.py", "test_plan_emulated.py")
+# the job files, an embedded Ray whose first node fails): nothing to share, so each is a unit that can run beside the shared one.
+OWN_RAY = (
+    "test_embedded_start.py",
+    "test_job_server.py",
+    "test_monitoring.py",
+    "test_plan_emulated.py",
+)
 # The longest units, longest first (clean-clone suite runs, 2 cores, 2026-11-27, seconds of
 # one worker, per-test start and end times recorded in two runs): the shared-Ray modules 646-756
 # and test_faults 584-631 (one to each worker), test_scavenging 115-133, the quick benchmarks
