@@ -202,8 +202,9 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         for bits in ("int4", "int2")
     },
     # Fewer, larger rounds (each at least sqrt(2/4) = 0.71 of a step), and a longer grace
-    # window (more learners a round), seed 0: does either close the gap to synchronous DiLoCo?
-    f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, (0,)),
+    # window (more learners a round), seed 0 (K = 2 then every seed: 1.673 against 1.676 on
+    # seed 0; the longer window 1.683): does either close the gap to synchronous DiLoCo?
+    f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, SEEDS),
     f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
 }
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:

@@ -24,7 +24,8 @@ from xdist.scheduler import LoadScopeScheduling
 
 SHARED_RAY = "tests/ray/ (shared Ray)"
 # tests/ray modules that start a Ray of their own (a job server, a dashboard, a cluster from
-# the job files, an embedded Ray whose first node fails): nothing to share, so each is a unit that can run beside the shared one.
+# the job files, an embedded Ray whose first node fails): nothing to share, so each is a unit
+# that can run beside the shared one.
 OWN_RAY = (
     "test_embedded_start.py",
     "test_job_server.py",
