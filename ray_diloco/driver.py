@@ -18,6 +18,7 @@ task before any actor starts (after Ray, as JAX must start after Ray's processes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
@@ -117,27 +119,46 @@ def _connect(cfg: RunConfig, address: str | None, dashboard: bool) -> tuple[bool
     cpus = sum(max(1, round(lg.cpus_per_host)) * lg.num_hosts for lg in (*cfg.learners, *joins))
     cpus += 1 + SCALE_HEADROOM_CPUS  # the synchronizer's side, and room to `ray-diloco scale`
     logger.info("starting an embedded local Ray with %d CPUs", cpus)
-    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+    context = _start_embedded(
+        num_cpus=cpus,
+        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+        include_dashboard=dashboard,
+        namespace=cfg.synchronizer.namespace,
+    )
+    return True, _url(context.dashboard_url) if dashboard else None
+
+
+def _start_embedded(**init_args: Any) -> Any:
+    """`ray.init` of a fresh local Ray, started again (up to `EMBEDDED_START_ATTEMPTS` in all)
+    when its node never registers; a failed attempt's processes (its GCS, dashboard, monitors)
+    are stopped first instead of living on until the driver exits."""
+
+    def init() -> Any:
+        return ray.init(
+            address="local",  # never a stale cluster from /tmp/ray/ray_current_cluster
+            _system_config=dict(ONE_NODE_HEALTH_CHECKS),  # Ray adds its own keys to it
+            **init_args,
+        )
+
+    for attempt in range(2, EMBEDDED_START_ATTEMPTS + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            context = ray.init(
-                address="local",  # never a stale cluster from /tmp/ray/ray_current_cluster
-                num_cpus=cpus,
-                object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
-                include_dashboard=dashboard,
-                namespace=cfg.synchronizer.namespace,
-                _system_config=dict(ONE_NODE_HEALTH_CHECKS),  # Ray adds its own keys to it
-            )
-            break
+            return init()
         except Exception as err:  # Ray raises a bare Exception when its node never registers
-            if NODE_START_TIMED_OUT not in str(err) or attempt == EMBEDDED_START_ATTEMPTS:
+            if NODE_START_TIMED_OUT not in str(err):
                 raise
             logger.warning(
                 "the embedded local Ray did not come up (%s); starting it again (%d of %d)",
                 err,
-                attempt + 1,
+                attempt,
                 EMBEDDED_START_ATTEMPTS,
             )
-    return True, _url(context.dashboard_url) if dashboard else None
+            started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            for proc in started:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+            psutil.wait_procs(started, timeout=10)
+    return init()
 
 
 def _url(address: str | None) -> str | None:

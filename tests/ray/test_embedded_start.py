@@ -37,8 +37,12 @@ import ray
 from ray_diloco.config import load_config
 from ray_diloco.driver import _connect
 
+import psutil
+
 embedded, _ = _connect(load_config(sys.argv[1], [f"run_dir={sys.argv[2]}"]), None, False)
 print("embedded", embedded, "delayed agents", len(delayed))
+ours = psutil.Process().children(recursive=True)
+print("control processes", sum("gcs_server" in p.name() for p in ours))
 print("answer", ray.get(ray.remote(lambda: 42).remote()))
 """
 
@@ -57,5 +61,7 @@ def test_an_embedded_ray_that_fails_to_start_is_started_again(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-3000:]
     assert "embedded True delayed agents 1" in done.stdout, done.stdout
     assert "answer 42" in done.stdout
+    # the failed attempt's GCS was stopped, not left running beside the new one
+    assert "control processes 1" in done.stdout, done.stdout
     # the first node did fail, and the driver said so
     assert "did not come up" in done.stderr and "starting it again (2 of 3)" in done.stderr
