@@ -390,14 +390,16 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
     return cluster
 
 
-def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 20.0) -> str:
+def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 45.0) -> str:
     """The local node's Prometheus text once `wanted(text)` holds (metrics arrive every
-    report interval); the last text read if it never does."""
+    report interval); the last text read if it never does. Each read gets 10 s: the shared
+    test Ray's text grows to ~800 KB over a suite run, and a loaded agent took over 2 s to
+    serve it (a clean-clone run, 2026-11-28: 2 reads of 20 s answered, the test failed)."""
     url, text = f"http://127.0.0.1:{port}/metrics", ""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with urllib.request.urlopen(url, timeout=10) as resp:
                 text = resp.read().decode()
         except OSError:
             text = ""

@@ -184,7 +184,7 @@ def test_classify_real_dead_and_slow_actors(ray_local: Any) -> None:
     assert classify_ray_error(crashed.value) == "crash"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_counter_reaches_prometheus_endpoint(ray_local: Any) -> None:
     assert not Metrics.create(False, "probe").enabled
     actor = Probe.remote()
