@@ -30,9 +30,11 @@ QUICK_MODEL = [
     "task_args.data.eval_batches=2",
 ]
 # The quality benchmarks' variants start from algorithm.md as written (every learner receives
-# every round, a round steps in full, a new version overwrites the learner's values) and name
-# what they change.
+# every round, a round steps in full, a new version overwrites the learner's values, bfloat16
+# both ways) and name what they change.
 AS_WRITTEN = [
+    "diloco.wire_dtype=bfloat16",
+    "diloco.publish_delta=none",
     "diloco.publish_to=all",
     "diloco.round_step=full",
     "diloco.keep_unsent_work=false",

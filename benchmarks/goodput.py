@@ -10,11 +10,14 @@ data-parallel restarts from a checkpoint taken every 50 steps.
 
     python benchmarks/goodput.py            # jobs/reference.yaml at 1M tokens
     python benchmarks/goodput.py --quick
+    python benchmarks/goodput.py --jobs 2   # two runs at a time
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ def mtbf_s(intensity: str, quick: bool) -> float | None:
 
 
 def run(mode: str, intensity: str, quick: bool) -> dict[str, Any]:
+    cache_compilations()  # in the worker process, which `--jobs` spawns afresh
     mtbf = mtbf_s(intensity, quick)
     chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf}"] if mtbf else []
     overrides = [
@@ -91,12 +95,16 @@ def plot(results: dict[tuple[str, str], dict[str, Any]], out: Path, name: str, q
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    cache_compilations()
-    results = {}
-    for intensity in INTENSITIES:
-        for mode in MODES:
-            results[(mode, intensity)] = s = run(mode, intensity, args.quick)
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=1, help="runs side by side (processes)")
+    args = p.parse_args()
+    keys = [(mode, intensity) for intensity in INTENSITIES for mode in MODES]
+    # Each run is deterministic on its virtual clock: processes side by side change wall times.
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(run, mode, intensity, args.quick) for mode, intensity in keys]
+        results = {}
+        for (mode, intensity), future in zip(keys, futures, strict=True):
+            results[(mode, intensity)] = s = future.result()
             line = f"goodput {s['goodput']:.3f} uptime {s['uptime']:.3f}"
             print(f"{mode:13s} {intensity:10s} {line} ({s['wall_s']:.0f}s)", flush=True)
     # target: the worst fault-free final loss, so every fault-free run reaches it
@@ -144,6 +152,7 @@ def main() -> None:
             "target_loss": target,
             "restart_steps": 10,
             "dp_checkpoint_every_steps": 50,
+            "jobs": args.jobs,
         },
     )
 

@@ -31,7 +31,8 @@ from common import (
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
 # Every variant names what it changes from AS_WRITTEN; the default config is the row
-# DEFAULT_ROW (MIX, since 2026-11-27; the sqrt step alone, DEFAULT, before).
+# f"{DEFAULT_ROW}, int4 both ways" since 2026-11-28 (DEFAULT_ROW, MIX on the bfloat16 wire,
+# since 2026-11-27; the sqrt step alone, DEFAULT, before).
 DEFAULT = "decoupled K=1 grace, sqrt step"
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 FRACTION_STEP = "decoupled K=1 grace, fraction step"

@@ -49,7 +49,8 @@ SEEDS = (0, 1, 2)
 # As in quality.py: every variant names what it changes from AS_WRITTEN (common.py).
 AS_WRITTEN_K1 = "decoupled K=1 grace"
 DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
-# The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP).
+# The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP);
+# since 2026-11-28 on the 4-bit wire both ways, the row f"{DEFAULT_ROW}, int4 both ways".
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 SQRT = ["diloco.round_step=sqrt"]
 FRACTION_STEP = "decoupled K=1 grace, fraction step"

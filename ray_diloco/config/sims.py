@@ -143,9 +143,10 @@ class BandwidthSimConfig(_Frozen):
     )
     wire_up: WireDtype = Field("int4", description="outer gradients, learner to synchronizer")
     wire_down: WireDtype | None = Field(
-        None,
-        description="published fragments; None: what the synchronizer publishes for wire_up "
-        "(wire.publish_dtype: bfloat16 unless the wire is float32)",
+        "int4",
+        description="published fragments: int4 as the run config's default `diloco."
+        "publish_delta`; None: full values, as with `publish_delta: none` (wire.publish_dtype: "
+        "bfloat16 unless wire_up is float32)",
     )
     int4_block_size: int = Field(64, ge=2)
     latency_ms: float = Field(

@@ -286,6 +286,10 @@ def test_publishing_to_contributors_sends_each_learner_its_own_rounds(
         "contributors",
         "diloco.mode=decoupled",
         "diloco.publish_to=contributors",
+        # Publications as full values on the offers' wire, so that the byte counts below are
+        # whole fragments (a 4-bit difference's size is not, and its catch-ups are bfloat16).
+        "diloco.wire_dtype=bfloat16",
+        "diloco.publish_delta=none",
         "token_budget=20000",
         "learners.1.speed=0.6",
         # Paced at 40 ms a step. Unpaced, the 80 steps per learner took about 2 s once compiled,

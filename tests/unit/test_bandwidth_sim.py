@@ -38,11 +38,14 @@ def test_byte_counts_follow_the_ring_and_the_wire_format():
     cfg = BandwidthSimConfig(model_params=1e9, datacenters=4)
     # Ring all-reduce over 4 sites: 2 * 3/4 of the bfloat16 gradients, each way.
     assert dp_bytes_per_step(cfg) == pytest.approx(1.5 * 2e9)
-    # Default wires: int4 up, the synchronizer publishes bfloat16 down, the busier one.
+    # Default wires: int4 both ways, as the run config's defaults.
     n = -(-int(1e9) // 24)
-    assert fragment_bytes(cfg) == wire_bytes(n, "bfloat16")
-    quantized = cfg.model_copy(update={"wire_down": "int4", "learners_per_datacenter": 3})
-    assert fragment_bytes(quantized) == 3 * wire_bytes(n, "int4")
+    assert fragment_bytes(cfg) == wire_bytes(n, "int4")
+    three = cfg.model_copy(update={"learners_per_datacenter": 3})
+    assert fragment_bytes(three) == 3 * wire_bytes(n, "int4")
+    # Full values down (publish_delta: none) go in bfloat16, the busier direction.
+    full = cfg.model_copy(update={"wire_down": None})
+    assert fragment_bytes(full) == wire_bytes(n, "bfloat16")
     # P = H: one fragment a step, so the window is a step whatever tau (>= 1) is.
     assert needed_gbps(cfg)["decoupled"] == pytest.approx(fragment_bytes(cfg) * 8 / 1.7 / 1e9)
     # Fewer fragments than H / tau: each must cross within its tau-step overlap.

@@ -99,7 +99,7 @@ def test_fragment_bytes_are_the_wire_encodings(dtype: str) -> None:
     from ray_diloco.algorithm import wire
     from ray_diloco.algorithm.setup import fragment_plan, layout_of
 
-    cfg = load_config(TINY, [f"diloco.wire_dtype={dtype}"])
+    cfg = load_config(TINY, [f"diloco.wire_dtype={dtype}", "diloco.publish_delta=none"])
     frags = fragment_plan(cfg)
     shapes = layout_of(cfg).shapes
     up, down = fragment_wire_bytes(cfg, frags.sizes)

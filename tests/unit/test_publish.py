@@ -16,8 +16,9 @@ from tests.sync_helpers import TINY, tiny_core
 LEARNERS = ["a", "b", "c"]
 
 
-def _core(publish_to: str) -> SynchronizerCore:
+def _core(publish_to: str, *extra: str) -> SynchronizerCore:
     overrides = [*TINY, "diloco.max_staleness_versions=1", f"diloco.publish_to={publish_to}"]
+    overrides += extra
     core = tiny_core(load_config(None, overrides))
     for name in LEARNERS:
         core.register(name, 0, now=0.0)
@@ -62,7 +63,8 @@ def test_publish_to_all_catches_up_only_a_base_gone_from_the_history() -> None:
     # A learner of "publish to all" hears of every version, unless its base no longer exists
     # (a restore fell back to the checkpoint and renamed it): then, if nobody can contribute,
     # no round closes and nothing is published, so the refusal must bring the newest version.
-    core = _core("all")
+    # (Publications as differences always bring it: a learner that missed one is stuck.)
+    core = _core("all", "diloco.publish_delta=none")
     assert _offer(core, "b", base=0, now=0.1) is Verdict.ACCEPTED
     core.poll(now=0.2)
     kept = ContributionMeta("a", 0, 0, 0, 4, 4, 256)
