@@ -92,6 +92,7 @@ def goodput(data: dict[str, Any]) -> str:
             "tokens / virtual s": f"{r['tokens_per_virtual_s']:,.0f}",
             "virtual s to target loss": _num(r["time_to_target_s"], 1),
             "final held-out loss": _num(r["heldout_loss"]),
+            "work lost": _num(r.get("work_lost"), 3),
         }
         for r in data["rows"]
     ]

@@ -150,8 +150,6 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             if batch_size is not None:
                 per_step = batch_size * self.setup.task.data.tokens_per_example
             a = self.core.register(learner, incarnation, self._now(), kept, per_step)
-            for meta in a.fenced:
-                self._record_rejection(meta, "old_incarnation")
             self._mark_leases()
             if self.store is not None:
                 versions = held[3] if held is not None and len(held) > 3 else {}

@@ -10,7 +10,8 @@ same rules on their own clocks.
 
 A round of fragment p closes when both hold:
   1. at least K distinct learners are pending for p (K = `quorum_min`, never more than the
-     learners in the run: a learner that left does not count; synchronous mode: all of them),
+     learners in the run: a learner that left does not count; synchronous mode: all of them;
+     a learner whose pending work a restart set apart, `kept`, counts as pending),
   2. the grace window has expired, or every live learner is pending.
 The grace window is fixed when the quorum is reached:
   grace = min(grace_max_s, grace_fraction * max(0, overlap_steps * step_time
@@ -48,12 +49,15 @@ class _FragmentState:
     quorum_s: float | None = None
     grace_s: float = 0.0
     merging: bool = False
-    # Learners whose entry in the open round their own restart fenced: the round counts them
-    # as in (its quorum, "every live learner") and closes without them. A synchronous round
-    # waited for the new incarnation's offer, which comes only when the fragment is next due
-    # on its schedule, while it waited, blocked, for rounds that needed the others' offers:
-    # a deadlock (benchmarks/goodput.py, aggressive failures).
-    excused: set[str] = field(default_factory=set)
+    # Entries of an incarnation that a restart replaced while they were pending: accepted
+    # work (the guards passed it while that process was the registered one), merged with the
+    # round like any other. Dropping them lost a tenth of all trained tokens with K = 2 under
+    # aggressive failures (benchmarks/goodput.py). Their learners count as in (the quorum,
+    # "every live learner"), so the round does not wait for the new incarnation's offer: that
+    # comes only when the fragment is next due on its schedule, and a synchronous round that
+    # waited for it while the learner waited, blocked, on rounds that needed the others'
+    # offers deadlocked (benchmarks/goodput.py, aggressive failures).
+    kept: list[Pending] = field(default_factory=list)
     # Per-step norms of accepted updates taken after the inner warm-up (the guard's medians).
     norms: NormHistory = field(default_factory=NormHistory)
     # learner -> the inner step of its newest accepted contribution (of its incarnation).
@@ -100,10 +104,11 @@ class RoundBook:
 
     def register(
         self, learner: str, incarnation: int, now: float, tokens_per_step: int | None = None
-    ) -> tuple[dict[int, int], list[Pending]]:
-        """Admit `incarnation` of `learner`, fencing older ones; `tokens_per_step`: what one of
-        its inner steps reads (bounds the tokens it may claim). Returns the versions to adopt
-        and the older incarnation's pending entries, fenced (refusals for the caller to count)."""
+    ) -> dict[int, int]:
+        """Admit `incarnation` of `learner`, fencing older ones (their later offers are refused;
+        what they offered before stays in its round, `_FragmentState.kept`); `tokens_per_step`:
+        what one of its inner steps reads (bounds the tokens it may claim). Returns the versions
+        to adopt."""
         old = self.members.get(learner)
         if old is not None and incarnation < old.incarnation:
             raise ValueError(
@@ -115,35 +120,24 @@ class RoundBook:
         )
         if self.roster is not None:
             self.roster.add(learner)
-        fenced: list[Pending] = []
         if old is None or incarnation != old.incarnation:
             for frag in self.fragments.values():  # a new incarnation adopts every one afresh
                 frag.merged.pop(learner, None)
                 frag.taken_step.pop(learner, None)
                 frag.norms.forget(learner)
-                fenced += self._fence_pending(frag, learner)
+                # Set apart, not dropped: the new incarnation's counters start afresh, so its
+                # own entry must not absorb this one (its payload does not hold that work).
+                entry = frag.pending.pop(learner, None)
+                if entry is not None:
+                    frag.kept.append(entry)
         # (The same incarnation registering again kept training through a synchronizer
         # restart: its counters still hold the work the restored book says was merged.)
-        return self.versions(), fenced
-
-    def _fence_pending(self, frag: _FragmentState, learner: str) -> list[Pending]:
-        """Remove an older incarnation's pending entry of `frag`. Merging its payload would let
-        a process known to be gone (perhaps corrupt) write to the global model, and adding its
-        counters to the new incarnation's entry, whose payload does not hold that work, would
-        count tokens nothing merged."""
-        entry = frag.pending.pop(learner, None)
-        if entry is None:
-            return []
-        frag.excused.add(learner)
-        frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
-        if not frag.pending or self._counted(frag) < self.quorum():
-            frag.quorum_s, frag.grace_s = None, 0.0
-        return [entry]
+        return self.versions()
 
     @staticmethod
-    def _counted(frag: _FragmentState) -> int:
-        """The learners that count toward the open round's quorum: pending or excused."""
-        return len(frag.pending.keys() | frag.excused)
+    def _in(frag: _FragmentState) -> set[str]:
+        """The learners that count toward the open round's quorum: pending, or kept."""
+        return frag.pending.keys() | {e.meta.learner for e in frag.kept}
 
     def heartbeat(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None
@@ -287,7 +281,7 @@ class RoundBook:
         return frag.norms.outlier(meta.learner, norm / meta.num_steps, self.policy.norm_guard)
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
-        if frag.quorum_s is not None or self._counted(frag) < self.quorum():
+        if frag.quorum_s is not None or len(self._in(frag)) < self.quorum():
             return
         frag.quorum_s = now
         assert frag.opened_s is not None
@@ -309,9 +303,9 @@ class RoundBook:
                 break
             if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
-            everyone_in = live <= frag.pending.keys() | frag.excused
+            everyone_in = live <= self._in(frag)
             if everyone_in or now >= frag.quorum_s + frag.grace_s:
-                closes.append(self._close(p, frag, now, len(live | frag.pending.keys())))
+                closes.append(self._close(p, frag, now, len(live | self._in(frag))))
         return closes
 
     def next_deadline(self) -> float | None:
@@ -324,7 +318,7 @@ class RoundBook:
         return min(deadlines, default=None)
 
     def _close(self, p: int, frag: _FragmentState, now: float, learners: int) -> RoundClose:
-        entries = tuple(sorted(frag.pending.values(), key=lambda e: e.meta.learner))
+        entries = tuple(sorted([*frag.pending.values(), *frag.kept], key=lambda e: e.meta.learner))
         assert frag.opened_s is not None and frag.quorum_s is not None
         close = RoundClose(
             fragment=p,
@@ -337,14 +331,16 @@ class RoundBook:
             closed_s=now,
             learners=learners,
         )
-        frag.undo = {e.meta.learner: frag.merged.get(e.meta.learner) for e in entries}
-        for e in entries:
+        # The counters merged on each learner's base, for its next offer (a kept entry's
+        # incarnation makes no more offers).
+        frag.undo = {n: frag.merged.get(n) for n in frag.pending}
+        for e in frag.pending.values():
             frag.merged[e.meta.learner] = (
                 e.meta.base_version,
                 e.meta.num_steps,
                 e.meta.num_tokens,
             )
-        frag.pending, frag.excused = {}, set()
+        frag.pending, frag.kept = {}, []
         frag.opened_s = frag.quorum_s = None
         frag.grace_s = 0.0
         frag.merging = True
@@ -365,8 +361,11 @@ class RoundBook:
             late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
             for e in late:
                 del frag.pending[e.meta.learner]
+            late += [e for e in frag.kept if e.meta.base_version < frag.version]
+            frag.kept = [e for e in frag.kept if e.meta.base_version >= frag.version]
             if late:
-                frag.opened_s = min((e.arrived_s for e in frag.pending.values()), default=None)
+                entries = [*frag.pending.values(), *frag.kept]
+                frag.opened_s = min((e.arrived_s for e in entries), default=None)
                 frag.quorum_s, frag.grace_s = None, 0.0
         self._maybe_reach_quorum(frag, now)
         return late
@@ -382,6 +381,9 @@ class RoundBook:
                 frag.merged[learner] = before
         frag.undo = {}
         for e in close.contributions:
+            if e.meta.incarnation != self.members[e.meta.learner].incarnation:
+                frag.kept.append(e)  # a restart replaced its incarnation while it merged
+                continue
             newer = frag.pending.get(e.meta.learner)
             if newer is None:
                 frag.pending[e.meta.learner] = e
@@ -389,7 +391,7 @@ class RoundBook:
                 # The newer entry's counters had e's subtracted (as merged); they are not.
                 newer.num_steps += e.num_steps
                 newer.num_tokens += e.num_tokens
-        if frag.pending and frag.opened_s is None:
+        if (frag.pending or frag.kept) and frag.opened_s is None:
             frag.opened_s = close.opened_s
         self._maybe_reach_quorum(frag, now)
 

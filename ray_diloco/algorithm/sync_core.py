@@ -54,8 +54,6 @@ class Admission:
     leases: list[Lease]
     offset: int
     cursor: int
-    # The older incarnation's contributions still pending, fenced: refusals to record.
-    fenced: tuple[ContributionMeta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,21 +139,18 @@ class SynchronizerCore(RecoveringCore):
         the data it reads (its leases, resumed at its cursor). `held`: (leases, offset,
         cursor) of a learner that kept training through a synchronizer restore;
         `tokens_per_step`: what one of its inner steps reads (bounds the tokens it claims)."""
-        versions, pending = self.book.register(learner, incarnation, now, tokens_per_step)
-        fenced = tuple(e.meta for e in pending)
-        for meta in fenced:
-            self._reject(Verdict.OLD_INCARNATION, meta)
+        versions = self.book.register(learner, incarnation, now, tokens_per_step)
         self.down.adopted(learner, {p: v for p, (v, _) in self.snapshot().items()})
         if not self.owns_data:
             cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
-            return Admission(versions, [], 0, cursor, fenced)
+            return Admission(versions, [], 0, cursor)
         if held is not None:
             self.ledger.pool.reclaim(learner, *held)
             acct = self.ledger.account(learner)
             acct.cursor = max(acct.cursor, held[2])
         leases, offset = self.ledger.join(learner, self.homes.get(learner))
         cursor = self.ledger.resume_cursor(learner)
-        return Admission(versions, leases, offset, cursor, fenced)
+        return Admission(versions, leases, offset, cursor)
 
     def leave(self, learner: str, now: float) -> list[Lease]:
         """`learner` left the run for good: out of the quorum, its unread data back to the

@@ -208,21 +208,27 @@ def test_corrupted_update_is_refused_by_the_norm_guard_and_changes_nothing() -> 
     assert core.rejected == {"norm_outlier": 1, "non_finite": 1}
 
 
-def test_an_old_incarnations_pending_contribution_is_fenced_and_counted() -> None:
+def test_an_old_incarnations_pending_contribution_is_merged_not_waited_for() -> None:
     core = _core("diloco.quorum_min=2")
     encoded = wire.encode_tree(_delta(core), "bfloat16")
     assert core.offer(_meta("b"), encoded, now=0.1) is Verdict.ACCEPTED
     assert core.offer(_meta("a"), encoded, now=0.1) is Verdict.ACCEPTED  # the quorum is in
-    admission = core.register("a", 1, now=0.2, tokens_per_step=TOKENS_PER_STEP)
-    assert admission.fenced == (_meta("a"),)
+    core.register("a", 1, now=0.2, tokens_per_step=TOKENS_PER_STEP)
+    # The old process's later offers are fenced ...
+    late = dataclasses.replace(_meta("a"), step=8)
+    assert core.offer(late, encoded, now=0.3) is Verdict.OLD_INCARNATION
     assert core.rejected == {"old_incarnation": 1}
-    # The restart lost a's work in the open round, and the round does not wait for the new
-    # incarnation (whose next offer of the fragment may be a whole window away, and which a
-    # synchronous learner blocked on another round never makes): a counts as in, and the
-    # round closes with b's work alone.
+    # ... but what it offered before the restart is accepted work and merges with its round,
+    # which does not wait for the new incarnation (whose next offer of the fragment may be a
+    # whole window away, and which a synchronous learner blocked on another round never
+    # makes), and the ledger counts it.
     (pub,) = core.poll(now=10.0)
-    assert [(c.meta.learner, c.meta.incarnation) for c in pub.close.contributions] == [("b", 0)]
-    # The excuse was for that round only: the next needs two learners again.
+    assert [(c.meta.learner, c.meta.incarnation) for c in pub.close.contributions] == [
+        ("a", 0),
+        ("b", 0),
+    ]
+    assert core.ledger.accounts["a"].merged[0] == _meta("a").num_tokens
+    # The round that kept it is over: the next needs two learners again.
     again = dataclasses.replace(_meta("a"), incarnation=1)
     assert core.offer(again, encoded, now=10.1) is Verdict.ACCEPTED
     assert core.poll(now=20.0) == []

@@ -301,20 +301,41 @@ def test_replayed_contribution_is_refused():
     assert book.fragments[0].pending == {}
 
 
-def test_new_incarnation_drops_the_old_pending_entry():
-    # The old process is fenced: its pending payload may not be merged, and its counters may
-    # not survive into the new incarnation's entry (whose payload does not hold that work).
-    book = book_with(["a", "b"], policy(quorum_min=2, max_staleness_versions=5))
+def test_new_incarnation_keeps_the_old_pending_entry_apart():
+    # The old process is fenced (its later offers are refused), but what it offered before is
+    # accepted work and merges with its round. Its counters do not pass into the new
+    # incarnation's entry, whose payload does not hold that work.
+    book = book_with(["a", "b"], policy(quorum_min=2, max_staleness_versions=5, grace_max_s=0))
     old = meta("a", steps=4, tokens=400)
     book.offer(old, now=0.0)
-    _, fenced = book.register("a", 1, now=1.0)
-    assert [e.meta for e in fenced] == [old]  # returned, so the caller counts it as refused
-    assert "a" not in book.fragments[0].pending and book.fragments[0].opened_s is None
-    assert book.register("a", 1, now=1.5)[1] == []  # the same incarnation again: nothing
-    book.fragments[0].version = 1
-    assert book.offer(meta("a", base=1, steps=2, tokens=200, inc=1), now=2.0) is Verdict.ACCEPTED
+    assert book.register("a", 1, now=1.0) == {0: 0}
+    assert "a" not in book.fragments[0].pending and book.fragments[0].opened_s == 0.0
+    assert book.offer(meta("a", steps=8, step=9), now=1.1) is Verdict.OLD_INCARNATION
+    book.register("a", 1, now=1.5)  # the same incarnation again: nothing changes
+    assert book.offer(meta("a", steps=2, tokens=200, inc=1), now=2.0) is Verdict.ACCEPTED
     entry = book.fragments[0].pending["a"]
     assert (entry.meta.incarnation, entry.num_steps, entry.num_tokens) == (1, 2, 200)
+    # "a" counts once toward K = 2: the round waits for b
+    assert book.poll(now=3.0) == []
+    book.offer(meta("b"), now=3.0)
+    (close,) = book.poll(now=3.0)
+    got = [(c.meta.learner, c.meta.incarnation, c.num_tokens) for c in close.contributions]
+    assert sorted(got) == [("a", 0, 400), ("a", 1, 200), ("b", 0, 400)]
+    book.commit(close, sync_time_s=0.0, now=3.0)
+    # only the live incarnation's counters are remembered against a replay
+    assert book.fragments[0].merged["a"] == (0, 2, 200)
+    assert book.fragments[0].kept == []
+
+
+def test_a_restart_during_a_merge_that_fails_keeps_the_old_work_apart():
+    book = book_with(["a"], policy(grace_max_s=0.0))
+    book.offer(meta("a", steps=4, tokens=400), now=0.0)
+    (close,) = book.poll(now=0.0)
+    book.register("a", 1, now=0.1)
+    book.abort(close, now=0.2)
+    assert book.fragments[0].pending == {}
+    (again,) = book.poll(now=0.2)  # a counts as in through its kept entry
+    assert [(c.meta.incarnation, c.num_tokens) for c in again.contributions] == [(0, 400)]
 
 
 def test_offer_again_on_the_same_base_counts_only_new_work():
