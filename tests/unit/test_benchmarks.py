@@ -43,10 +43,11 @@ def test_quick_benchmarks_write_their_tables(tmp_path):
     goodput, quality, bandwidth = (run.result() for run in runs)
     assert {(r["mode"], r["failures"]) for r in goodput["rows"]} == {
         (m, f)
-        for m in ("decoupled", "synchronous", "data_parallel")
+        for m in ("decoupled", "decoupled K=2", "synchronous", "data_parallel")
         for f in ("none", "moderate", "aggressive")
     }
-    assert {"goodput", "uptime", "time_to_target_s", "heldout_loss"} <= goodput["rows"][0].keys()
+    columns = {"goodput", "uptime", "time_to_target_s", "heldout_loss", "work_lost"}
+    assert columns <= goodput["rows"][0].keys()
     assert (tmp_path / "goodput-quick.png").stat().st_size > 0
 
     assert [r["variant"] for r in quality["rows"]] == ["data_parallel", "decoupled K=1 grace"]
