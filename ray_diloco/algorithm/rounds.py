@@ -10,7 +10,8 @@ same rules on their own clocks.
 
 A round of fragment p closes when both hold:
   1. at least K distinct learners are pending for p (K = `quorum_min`, never more than the
-     learners in the run: a learner that left does not count; synchronous mode: all of them;
+     learners in the run, a learner that left does not count, nor in decoupled mode than the
+     live ones, whose reports are recent; synchronous mode: all of them;
      a learner whose pending work a restart set apart, `kept`, counts as pending),
   2. the grace window has expired, or every live learner is pending.
 The grace window is fixed when the quorum is reached:
@@ -168,12 +169,18 @@ class RoundBook:
             if not frag.merging and frag.pending:
                 self._maybe_reach_quorum(frag, now)
 
-    def quorum(self) -> int:
+    def quorum(self, now: float | None = None) -> int:
         """K now: `quorum_min`, or every learner in the run in synchronous mode, never more
-        than the learners in the run (and at least 1)."""
+        than the learners in the run (and at least 1). In decoupled mode, at `now`, never more
+        than the live learners either: a failed learner stays in the run until its restart
+        registers, and with K = M one failure would otherwise hold every round until then
+        (`heartbeat_timeout_s` after its last report it no longer counts). A synchronous
+        round waits for every learner in the run: that is its barrier."""
         if self.roster is None:
             return self.policy.quorum_min
         k = len(self.roster) if self.policy.everyone else self.policy.quorum_min
+        if now is not None and not self.policy.everyone:
+            k = min(k, len(self.live(now)))
         return max(1, min(k, len(self.roster)))
 
     def live(self, now: float) -> set[str]:
@@ -281,7 +288,7 @@ class RoundBook:
         return frag.norms.outlier(meta.learner, norm / meta.num_steps, self.policy.norm_guard)
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
-        if frag.quorum_s is not None or len(self._in(frag)) < self.quorum():
+        if frag.quorum_s is not None or len(self._in(frag)) < self.quorum(now):
             return
         frag.quorum_s = now
         assert frag.opened_s is not None
@@ -301,6 +308,8 @@ class RoundBook:
         for p, frag in self.fragments.items():
             if limit is not None and len(closes) >= limit:
                 break
+            if not frag.merging and (frag.pending or frag.kept):
+                self._maybe_reach_quorum(frag, now)  # a learner may have stopped reporting
             if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
             everyone_in = live <= self._in(frag)

@@ -228,10 +228,13 @@ def test_an_old_incarnations_pending_contribution_is_merged_not_waited_for() -> 
         ("b", 0),
     ]
     assert core.ledger.accounts["a"].merged[0] == _meta("a").num_tokens
-    # The round that kept it is over: the next needs two learners again.
+    # The round that kept it is over: the next needs two learners again (both live: they
+    # report, or K would fall to the one live learner).
+    for name, incarnation in (("a", 1), ("b", 0)):
+        core.report(name, incarnation, now=10.0, step_time_s=1.0, cursor=0)
     again = dataclasses.replace(_meta("a"), incarnation=1)
     assert core.offer(again, encoded, now=10.1) is Verdict.ACCEPTED
-    assert core.poll(now=20.0) == []
+    assert core.poll(now=12.0) == []
     b_next = _meta("b", base=1, step=12)  # b got version 1 and trained on
     assert core.offer(b_next, encoded, now=20.1) is Verdict.ACCEPTED
     (pub,) = core.poll(now=30.0)

@@ -98,6 +98,25 @@ def test_grace_is_capped_and_never_negative():
     assert len(slow_quorum.poll(now=3.0)) == 1
 
 
+@pytest.mark.parametrize("mode", ["decoupled", "synchronous"])
+def test_k_is_never_above_the_live_learners_in_decoupled_mode(mode: str) -> None:
+    # K = 2 of two learners; b dies (it stays in the run until a restart registers). A
+    # decoupled round goes on with a alone once b's reports are older than the heartbeat
+    # timeout; a synchronous round is a barrier and waits for b.
+    pol = policy(quorum_min=2, everyone=mode == "synchronous", grace_max_s=0.0)
+    book = RoundBook(pol, num_fragments=1, roster={"a", "b"})
+    for n in ("a", "b"):
+        book.register(n, 0, now=0.0)
+    book.offer(meta("a"), now=1.0)
+    book.heartbeat("a", 0, now=6.0, step_time_s=1.0)
+    assert book.poll(now=4.0) == []  # b still live: K = 2
+    closes = book.poll(now=6.0)  # b silent for more than heartbeat_timeout_s
+    assert len(closes) == (1 if mode == "decoupled" else 0)
+    assert book.quorum(now=6.0) == (1 if mode == "decoupled" else 2)
+    book.register("b", 1, now=7.0)  # b's restart: it counts again
+    assert book.quorum(now=7.0) == 2
+
+
 def test_dead_learner_stops_counting_as_live():
     book = book_with(["a", "b"], policy(grace_max_s=100.0, grace_fraction=0.9), step_time=100.0)
     book.offer(meta("a"), now=1.0)
