@@ -20,6 +20,7 @@ from ray_diloco.sim.simulate import run_reference
 
 from common import (
     AS_WRITTEN,
+    INT4_BOTH_WAYS,
     MIX,
     QUICK_MODEL,
     REFERENCE,
@@ -118,6 +119,8 @@ VARIANTS: dict[str, list[str]] = {
         ]
         for bits in ("int4", "int2")
     },
+    # K = 2 on the default wire (the best decoupled quorum at the quality horizon).
+    f"{DEFAULT_ROW}, int4 both ways, K=2": [*MIX, *INT4_BOTH_WAYS, "diloco.quorum_min=2"],
 }
 
 

@@ -27,6 +27,7 @@ from ray_diloco.tasks.byte_lm import ByteLMArgs
 
 from common import (
     AS_WRITTEN,
+    INT4_BOTH_WAYS,
     MIX,
     QUICK_MODEL,
     REFERENCE,
@@ -207,6 +208,12 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     # seed 0; the longer window 1.683): does either close the gap to synchronous DiLoCo?
     f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, SEEDS),
     f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
+    # K = 2 on the default wire since 2026-11-28 (4 bits both ways): the candidate default.
+    f"{DEFAULT_ROW}, int4 both ways, K=2": (
+        [*MIX, *INT4_BOTH_WAYS, "diloco.quorum_min=2"],
+        4,
+        SEEDS,
+    ),
 }
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
