@@ -50,14 +50,14 @@ class _FragmentState:
     quorum_s: float | None = None
     grace_s: float = 0.0
     merging: bool = False
-    # Entries of an incarnation that a restart replaced while they were pending: accepted
-    # work (the guards passed it while that process was the registered one), merged with the
-    # round like any other. Dropping them lost a tenth of all trained tokens with K = 2 under
-    # aggressive failures (benchmarks/goodput.py). Their learners count as in (the quorum,
+    # Entries of an incarnation that a restart replaced while they were pending: accepted work
+    # (the guards passed it while that process was the registered one), merged with the round like
+    # any other. Dropping them, as before 2026-11-28, lost a tenth of all trained tokens with K =
+    # 2 under aggressive failures (benchmarks/goodput.py). Their learners count as in (the quorum,
     # "every live learner"), so the round does not wait for the new incarnation's offer: that
     # comes only when the fragment is next due on its schedule, and a synchronous round that
-    # waited for it while the learner waited, blocked, on rounds that needed the others'
-    # offers deadlocked (benchmarks/goodput.py, aggressive failures).
+    # waited for it while the learner waited, blocked, on rounds that needed the others' offers
+    # deadlocked (benchmarks/goodput.py, aggressive failures).
     kept: list[Pending] = field(default_factory=list)
     # Per-step norms of accepted updates taken after the inner warm-up (the guard's medians).
     norms: NormHistory = field(default_factory=NormHistory)
@@ -166,7 +166,7 @@ class RoundBook:
         if self.roster is not None:
             self.roster.discard(learner)
         for frag in self.fragments.values():
-            if not frag.merging and frag.pending:
+            if not frag.merging and (frag.pending or frag.kept):
                 self._maybe_reach_quorum(frag, now)
 
     def quorum(self, now: float | None = None) -> int:
@@ -179,7 +179,7 @@ class RoundBook:
         if self.roster is None:
             return self.policy.quorum_min
         k = len(self.roster) if self.policy.everyone else self.policy.quorum_min
-        if now is not None and not self.policy.everyone:
+        if now is not None and not self.policy.everyone and k > 1:
             k = min(k, len(self.live(now)))
         return max(1, min(k, len(self.roster)))
 

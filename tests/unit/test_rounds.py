@@ -346,6 +346,17 @@ def test_new_incarnation_keeps_the_old_pending_entry_apart():
     assert book.fragments[0].kept == []
 
 
+def test_a_leave_lets_a_round_of_kept_work_reach_its_quorum_at_once():
+    book = RoundBook(policy(quorum_min=2), num_fragments=1, roster={"a", "b"})
+    for n in ("a", "b"):
+        book.register(n, 0, now=0.0)
+    book.offer(meta("a"), now=0.5)
+    book.register("a", 1, now=1.0)  # a's entry is kept apart; the round waits for b
+    assert book.fragments[0].quorum_s is None
+    book.leave("b", now=2.0)  # K falls to the one learner left
+    assert book.fragments[0].quorum_s == 2.0
+
+
 def test_a_restart_during_a_merge_that_fails_keeps_the_old_work_apart():
     book = book_with(["a"], policy(grace_max_s=0.0))
     book.offer(meta("a", steps=4, tokens=400), now=0.0)
