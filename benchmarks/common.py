@@ -43,8 +43,12 @@ AS_WRITTEN = [
 # On top of AS_WRITTEN, the config's defaults since 2026-11-27: the sqrt step with Streaming
 # DiLoCo's mixing.
 MIX = ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"]
-# The config's default wire since 2026-11-28.
-INT4_BOTH_WAYS = ["diloco.wire_dtype=int4", "diloco.publish_delta=int4"]
+
+
+def both_ways(bits: str) -> list[str]:
+    """Offers up and publications down on a `bits` wire (int4: the config's default since
+    2026-11-28)."""
+    return [f"diloco.wire_dtype={bits}", f"diloco.publish_delta={bits}"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """Goodput under failures: the same model, data, token budget and seeded failure schedule in
 `decoupled` (K = 1, the default, and K = 2), `synchronous` and `data_parallel` modes at
-three failure intensities, on the
-in-process reference run (virtual clock; `ray_diloco.sim.sim_faults` charges what a
-failure costs; the Ray chaos suite in tests/chaos proves the real system recovers).
+three failure intensities, on the in-process reference run (virtual clock;
+`ray_diloco.sim.sim_faults` charges what a failure costs; the Ray chaos suite in
+tests/chaos proves the real system recovers).
 
 Intensities, per learner, in inner steps of `step_time_s` (0.05 virtual s): none; moderate,
 a failure every 1000 steps on average; aggressive, every 200 steps. A failed learner needs
@@ -52,7 +52,6 @@ def mtbf_s(intensity: str, quick: bool) -> float | None:
 
 
 def run(mode: str, intensity: str, quick: bool) -> dict[str, Any]:
-    cache_compilations()  # in the worker process, which `--jobs` spawns afresh
     mtbf = mtbf_s(intensity, quick)
     chaos = ["chaos.enabled=true", f"chaos.mtbf_s={mtbf}"] if mtbf else []
     overrides = [
@@ -108,7 +107,9 @@ def main() -> None:
     args = p.parse_args()
     keys = [(mode, intensity) for intensity in INTENSITIES for mode in MODES]
     # Each run is deterministic on its virtual clock: processes side by side change wall times.
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+    # Spawned workers start without the parent's JAX settings: each points at the cache itself.
+    spawn = get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=spawn, initializer=cache_compilations) as pool:
         futures = [pool.submit(run, mode, intensity, args.quick) for mode, intensity in keys]
         results = {}
         for (mode, intensity), future in zip(keys, futures, strict=True):

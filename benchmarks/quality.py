@@ -20,10 +20,10 @@ from ray_diloco.sim.simulate import run_reference
 
 from common import (
     AS_WRITTEN,
-    INT4_BOTH_WAYS,
     MIX,
     QUICK_MODEL,
     REFERENCE,
+    both_ways,
     parser,
     plot_loss_curves,
     write_results,
@@ -111,16 +111,9 @@ VARIANTS: dict[str, list[str]] = {
     f"{DEFAULT_ROW}, mean merge": [*MIX, "diloco.merge=mean"],
     # The narrow wires both ways (quality_horizon.py, 2026-11-28: int2 ahead of the bfloat16
     # wire on every seed at 2.56M tokens, but 0.8% behind it at 500k in the bandwidth table).
-    **{
-        f"{DEFAULT_ROW}, {bits} both ways": [
-            *MIX,
-            f"diloco.wire_dtype={bits}",
-            f"diloco.publish_delta={bits}",
-        ]
-        for bits in ("int4", "int2")
-    },
+    **{f"{DEFAULT_ROW}, {bits} both ways": [*MIX, *both_ways(bits)] for bits in ("int4", "int2")},
     # K = 2 on the default wire (the best decoupled quorum at the quality horizon).
-    f"{DEFAULT_ROW}, int4 both ways, K=2": [*MIX, *INT4_BOTH_WAYS, "diloco.quorum_min=2"],
+    f"{DEFAULT_ROW}, int4 both ways, K=2": [*MIX, *both_ways("int4"), "diloco.quorum_min=2"],
 }
 
 

@@ -27,10 +27,10 @@ from ray_diloco.tasks.byte_lm import ByteLMArgs
 
 from common import (
     AS_WRITTEN,
-    INT4_BOTH_WAYS,
     MIX,
     QUICK_MODEL,
     REFERENCE,
+    both_ways,
     cache_compilations,
     parser,
     plot_loss_curves,
@@ -196,11 +196,7 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     # The narrow wires both ways at this horizon (the bandwidth table runs 500k tokens, one
     # seed: int4 +0.0% and int2 +0.8% against the bfloat16 wire there).
     **{
-        f"{DEFAULT_ROW}, {bits} both ways": (
-            [*MIX, f"diloco.wire_dtype={bits}", f"diloco.publish_delta={bits}"],
-            4,
-            SEEDS,
-        )
+        f"{DEFAULT_ROW}, {bits} both ways": ([*MIX, *both_ways(bits)], 4, SEEDS)
         for bits in ("int4", "int2")
     },
     # Fewer, larger rounds (each at least sqrt(2/4) = 0.71 of a step), and a longer grace
@@ -210,7 +206,7 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
     # K = 2 on the default wire since 2026-11-28 (4 bits both ways): the candidate default.
     f"{DEFAULT_ROW}, int4 both ways, K=2": (
-        [*MIX, *INT4_BOTH_WAYS, "diloco.quorum_min=2"],
+        [*MIX, *both_ways("int4"), "diloco.quorum_min=2"],
         4,
         SEEDS,
     ),

@@ -169,7 +169,7 @@ class RoundBook:
             if not frag.merging and (frag.pending or frag.kept):
                 self._maybe_reach_quorum(frag, now)
 
-    def quorum(self, now: float | None = None) -> int:
+    def quorum(self, now: float) -> int:
         """K now: `quorum_min`, or every learner in the run in synchronous mode, never more
         than the learners in the run (and at least 1). In decoupled mode, at `now`, never more
         than the live learners either: a failed learner stays in the run until its restart
@@ -179,7 +179,7 @@ class RoundBook:
         if self.roster is None:
             return self.policy.quorum_min
         k = len(self.roster) if self.policy.everyone else self.policy.quorum_min
-        if now is not None and not self.policy.everyone and k > 1:
+        if not self.policy.everyone and k > 1:
             k = min(k, len(self.live(now)))
         return max(1, min(k, len(self.roster)))
 
@@ -312,9 +312,9 @@ class RoundBook:
                 self._maybe_reach_quorum(frag, now)  # a learner may have stopped reporting
             if frag.merging or frag.quorum_s is None or p in self.held:
                 continue
-            everyone_in = live <= self._in(frag)
-            if everyone_in or now >= frag.quorum_s + frag.grace_s:
-                closes.append(self._close(p, frag, now, len(live | self._in(frag))))
+            entered = self._in(frag)
+            if live <= entered or now >= frag.quorum_s + frag.grace_s:
+                closes.append(self._close(p, frag, now, len(live | entered)))
         return closes
 
     def next_deadline(self) -> float | None:
