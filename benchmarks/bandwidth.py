@@ -8,7 +8,8 @@ in-process reference run (virtual clock, `step_time_s` per inner step).
 The bound: per learner and H inner steps, data-parallel's ring all-reduce moves 2 x 4 bytes
 per parameter per step (8H), DiLoCo every fragment once up and, at best, once down (b_up +
 b_down bytes per parameter: float32 4, bfloat16 2, int4 0.5625 and int2 0.3125 with their
-blockwise scales). `publish_to: all` with K = 1 sends more than one round down per window.
+blockwise scales). `publish_to: all` sends more than one round down per window, K = 1 more
+than K = 2 (the default).
 
 H = 100 (jobs/cluster-*.yaml: P = 25, tau = 5) needs more inner steps than the reference's 2M
 tokens at 32 sequences per learner give (2.4 syncs per fragment): those rows train 8 sequences
@@ -46,6 +47,7 @@ MODES = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
     "decoupled": [],
+    "decoupled K=1": ["diloco.quorum_min=1"],  # the default before 2026-11-28
     "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }
 # wire label -> (upstream dtype, publish_delta)
@@ -59,6 +61,7 @@ H24 = {
     "data_parallel": ["float32"],
     "synchronous": ["bfloat16", "int4 up", "int4 both ways"],
     "decoupled": ["bfloat16", "int4 up", "int4 both ways", "int2 both ways"],
+    "decoupled K=1": ["int4 both ways"],
     "decoupled, publish to contributors": ["bfloat16", "int4 both ways"],
 }
 # --quick (a smoke check of every path, for the test suite): fewer rows.
@@ -158,8 +161,10 @@ def main() -> None:
     sweeps = [("decoupled", "int4 both ways", args.quick, sweep_budget)]
     if not args.quick:  # --quick: one sweep checks the path
         sweeps += [
-            (m, "float32" if m == "data_parallel" else "bfloat16", False, sweep_budget)
-            for m in rows_h24
+            (m, w, False, sweep_budget)
+            for m, ws in rows_h24.items()
+            for w in ws
+            if w in ("float32", "bfloat16")
         ]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         need_runs = [pool.submit(needed_bandwidth, job) for job in sweeps]

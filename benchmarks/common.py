@@ -31,8 +31,9 @@ QUICK_MODEL = [
 ]
 # The quality benchmarks' variants start from algorithm.md as written (every learner receives
 # every round, a round steps in full, a new version overwrites the learner's values, bfloat16
-# both ways) and name what they change.
+# both ways, K = 1) and name what they change.
 AS_WRITTEN = [
+    "diloco.quorum_min=1",
     "diloco.wire_dtype=bfloat16",
     "diloco.publish_delta=none",
     "diloco.publish_to=all",
@@ -49,6 +50,11 @@ def both_ways(bits: str) -> list[str]:
     """Offers up and publications down on a `bits` wire (int4: the config's default since
     2026-11-28)."""
     return [f"diloco.wire_dtype={bits}", f"diloco.publish_delta={bits}"]
+
+
+# On top of AS_WRITTEN, the 4-learner job files' defaults since 2026-11-28: the mix on 4 bits
+# both ways, with a quorum of two.
+K2 = [*MIX, *both_ways("int4"), "diloco.quorum_min=2"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:

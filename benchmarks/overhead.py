@@ -41,6 +41,7 @@ TARGET = 0.95
 def one_learner(steps: int, run_dir: Path, name: str) -> RunConfig:
     tree = yaml.safe_load(LOCAL.read_text())
     tree["learners"] = [{"name": "solo", "batch_size": 32}]
+    tree["diloco"]["quorum_min"] = 1
     tree.pop("links", None)
     seq_len = tree.get("model", {}).get("seq_len", 64)
     tree.update(token_budget=steps * 32 * seq_len, run_dir=str(run_dir))

@@ -27,6 +27,7 @@ from ray_diloco.tasks.byte_lm import ByteLMArgs
 
 from common import (
     AS_WRITTEN,
+    K2,
     MIX,
     QUICK_MODEL,
     REFERENCE,
@@ -51,8 +52,9 @@ SEEDS = (0, 1, 2)
 AS_WRITTEN_K1 = "decoupled K=1 grace"
 DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
 # The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP);
-# since 2026-11-28 on the 4-bit wire both ways, the row f"{DEFAULT_ROW}, int4 both ways".
+# since 2026-11-28 on the 4-bit wire both ways with K = 2, the row DEFAULT_K2.
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
+DEFAULT_K2 = f"{DEFAULT_ROW}, int4 both ways, K=2"
 SQRT = ["diloco.round_step=sqrt"]
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 FRACTION = ["diloco.round_step=fraction"]
@@ -204,12 +206,39 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     # seed 0; the longer window 1.683): does either close the gap to synchronous DiLoCo?
     f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, SEEDS),
     f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
-    # K = 2 on the default wire since 2026-11-28 (4 bits both ways): the candidate default.
-    f"{DEFAULT_ROW}, int4 both ways, K=2": (
-        [*MIX, *both_ways("int4"), "diloco.quorum_min=2"],
+    # K = 2 on the default wire (4 bits both ways): the default since 2026-11-28.
+    DEFAULT_K2: (K2, 4, SEEDS),
+    # Rounds of two learners are closer to synchronous DiLoCo's, which is best at outer lr 0.5
+    # (1.605 against 1.673 at 0.7); K = 1 gained nothing from it (1.717 against 1.719).
+    f"{DEFAULT_K2}, outer lr 0.5": ([*K2, "outer.lr=0.5"], 4, SEEDS),
+    # Issue 11's grace and merge targets for the new default.
+    f"{DEFAULT_K2}, no grace": ([*K2, "diloco.grace_fraction=0"], 4, SEEDS),
+    f"{DEFAULT_K2}, mean merge": ([*K2, "diloco.merge=mean"], 4, (0,)),
+}
+# The model's width (d_model; d_ff 4x), seed 0: is the gap to data-parallel, which M = 1 does
+# not have (+0.4%), a cost of splitting the batch that shrinks as the model grows, as DiLoCo's
+# scaling laws report? Each row is compared with data-parallel and synchronous DiLoCo of its
+# own width.
+WIDTHS = (32, 128)
+WIDEN = (("d_model", 1), ("d_ff", 4))
+SCALE: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
+    f"{name}, width {w}": (
+        [
+            *(VARIANTS | DEFAULT_CHECKS)[name][0],
+            *[f"task_args.model.{k}={n * w}" for k, n in WIDEN],
+        ],
         4,
-        SEEDS,
-    ),
+        (0,),
+    )
+    for w in WIDTHS
+    for name in ("data_parallel", "synchronous", DEFAULT_K2)
+}
+# At width 128 DiLoCo fell far behind (synchronous +29.8%, the default +16.7%) at the inner lr
+# tuned for data-parallel at width 64: is that lr too large for a learner's quarter batch?
+SCALE |= {
+    f"{name}, inner lr 0.0015": ([*overrides, "inner.lr=0.0015"], 4, (0,))
+    for name, (overrides, _, _) in SCALE.items()
+    if name.endswith(", width 128")
 }
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
@@ -279,7 +308,7 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per variant: mean held-out loss over its seeds, spread (max - min), against
-    data-parallel's and synchronous DiLoCo's means."""
+    data-parallel's and synchronous DiLoCo's means (of the same width for SCALE's rows)."""
     rows = []
     for name in dict.fromkeys(r["variant"] for r in runs):
         mine = [r for r in runs if r["variant"] == name]
@@ -306,7 +335,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     means = {r["variant"]: r["heldout_loss"] for r in rows}
     for r in rows:
+        width = next((f", width {w}" for w in WIDTHS if f", width {w}" in r["variant"]), "")
         for ref, key in (("data_parallel", "vs_data_parallel"), ("synchronous", "vs_synchronous")):
+            ref += width
             r[key] = r["heldout_loss"] / means[ref] - 1 if ref in means else None
     return rows
 
@@ -330,7 +361,9 @@ def main() -> None:
     )
     args = p.parse_args()
     chosen = {
-        n: v for n, v in (VARIANTS | DEFAULT_CHECKS).items() if not args.only or n in args.only
+        n: v
+        for n, v in (VARIANTS | DEFAULT_CHECKS | SCALE).items()
+        if not args.only or n in args.only
     }
     chosen |= {
         n: (o, 4, SEEDS if n in CANDIDATES else (0,))
@@ -367,7 +400,7 @@ def main() -> None:
                 flush=True,
             )
     # The table in the order the variants are declared.
-    order = [*VARIANTS, *SWEEP, *INNER_SWEEP, *SQRT_SWEEP, *DEFAULT_CHECKS]
+    order = [*VARIANTS, *SWEEP, *INNER_SWEEP, *SQRT_SWEEP, *DEFAULT_CHECKS, *SCALE]
     runs = sorted(
         kept + runs,
         key=lambda r: (
