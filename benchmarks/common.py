@@ -31,9 +31,10 @@ QUICK_MODEL = [
 ]
 # The quality benchmarks' variants start from algorithm.md as written (every learner receives
 # every round, a round steps in full, a new version overwrites the learner's values, bfloat16
-# both ways, K = 1) and name what they change.
+# both ways, K = 1 with the grace window) and name what they change.
 AS_WRITTEN = [
     "diloco.quorum_min=1",
+    "diloco.grace_fraction=0.5",
     "diloco.wire_dtype=bfloat16",
     "diloco.publish_delta=none",
     "diloco.publish_to=all",
@@ -52,9 +53,10 @@ def both_ways(bits: str) -> list[str]:
     return [f"diloco.wire_dtype={bits}", f"diloco.publish_delta={bits}"]
 
 
-# On top of AS_WRITTEN, the 4-learner job files' defaults since 2026-11-28: the mix on 4 bits
-# both ways, with a quorum of two.
+# On top of AS_WRITTEN: the mix on 4 bits both ways, with a quorum of two. Without the grace
+# window (K2 + NO_GRACE) it is the 4-learner job files' default since 2026-11-28.
 K2 = [*MIX, *both_ways("int4"), "diloco.quorum_min=2"]
+NO_GRACE = ["diloco.grace_fraction=0"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """Goodput under failures: the same model, data, token budget and seeded failure schedule in
-`decoupled` (K = 2, the default, and K = 1), `synchronous` and `data_parallel` modes at
-three failure intensities, on the in-process reference run (virtual clock;
-`ray_diloco.sim.sim_faults` charges what a failure costs; the Ray chaos suite in
+`decoupled` (K = 2 without grace, the default; with grace; K = 1), `synchronous` and
+`data_parallel` modes at three failure intensities, on the in-process reference run (virtual
+clock; `ray_diloco.sim.sim_faults` charges what a failure costs; the Ray chaos suite in
 tests/chaos proves the real system recovers).
 
 Intensities, per learner, in inner steps of `step_time_s` (0.05 virtual s): none; moderate,
@@ -35,11 +35,13 @@ CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=40000"]
 STEP_S = 0.05
 INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP_S}
-# mode -> its overrides. `decoupled` takes the config's K = 2 (the default since 2026-11-28:
-# the best decoupled quorum at the quality horizon); K = 1 was the default before.
+# mode -> its overrides. `decoupled` takes the config's K = 2 without the grace window (the
+# default since 2026-11-28); `decoupled, grace` adds the window back (K = 2's first day), and
+# `decoupled K=1` (with the window) is the default before.
 MODES = {
     "decoupled": ["diloco.mode=decoupled"],
-    "decoupled K=1": ["diloco.mode=decoupled", "diloco.quorum_min=1"],
+    "decoupled, grace": ["diloco.mode=decoupled", "diloco.grace_fraction=0.5"],
+    "decoupled K=1": ["diloco.mode=decoupled", "diloco.quorum_min=1", "diloco.grace_fraction=0.5"],
     "synchronous": ["diloco.mode=synchronous"],
     "data_parallel": ["diloco.mode=data_parallel"],
 }

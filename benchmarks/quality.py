@@ -22,6 +22,7 @@ from common import (
     AS_WRITTEN,
     K2,
     MIX,
+    NO_GRACE,
     QUICK_MODEL,
     REFERENCE,
     both_ways,
@@ -33,9 +34,9 @@ from common import (
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
 # Every variant names what it changes from AS_WRITTEN; the default config is the row
-# DEFAULT_K2 since 2026-11-28 (before that day's K = 2,
-# f"{DEFAULT_ROW}, int4 both ways"; DEFAULT_ROW, MIX on the bfloat16 wire, since 2026-11-27;
-# the sqrt step alone, DEFAULT, before).
+# f"{DEFAULT_K2}, no grace" since 2026-11-28 (DEFAULT_K2, with the grace window, earlier that
+# day; f"{DEFAULT_ROW}, int4 both ways" before K = 2; DEFAULT_ROW, MIX on the bfloat16 wire,
+# since 2026-11-27; the sqrt step alone, DEFAULT, before).
 DEFAULT = "decoupled K=1 grace, sqrt step"
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 DEFAULT_K2 = f"{DEFAULT_ROW}, int4 both ways, K=2"
@@ -115,10 +116,10 @@ VARIANTS: dict[str, list[str]] = {
     # The narrow wires both ways (quality_horizon.py, 2026-11-28: int2 ahead of the bfloat16
     # wire on every seed at 2.56M tokens, but 0.8% behind it at 500k in the bandwidth table).
     **{f"{DEFAULT_ROW}, {bits} both ways": [*MIX, *both_ways(bits)] for bits in ("int4", "int2")},
-    # K = 2 on the default wire (the best decoupled quorum at the quality horizon): the default
-    # since 2026-11-28, and issue 11's grace and merge targets for it.
+    # K = 2 on the default wire (the best decoupled quorum at the quality horizon), and issue
+    # 11's grace and merge targets for it; without the window, the default since 2026-11-28.
     DEFAULT_K2: K2,
-    f"{DEFAULT_K2}, no grace": [*K2, "diloco.grace_fraction=0"],
+    f"{DEFAULT_K2}, no grace": [*K2, *NO_GRACE],
     f"{DEFAULT_K2}, mean merge": [*K2, "diloco.merge=mean"],
 }
 

@@ -29,6 +29,7 @@ from common import (
     AS_WRITTEN,
     K2,
     MIX,
+    NO_GRACE,
     QUICK_MODEL,
     REFERENCE,
     both_ways,
@@ -52,7 +53,8 @@ SEEDS = (0, 1, 2)
 AS_WRITTEN_K1 = "decoupled K=1 grace"
 DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
 # The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP);
-# since 2026-11-28 on the 4-bit wire both ways with K = 2, the row DEFAULT_K2.
+# since 2026-11-28 on the 4-bit wire both ways with K = 2 and no grace window, the row
+# f"{DEFAULT_K2}, no grace".
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
 DEFAULT_K2 = f"{DEFAULT_ROW}, int4 both ways, K=2"
 SQRT = ["diloco.round_step=sqrt"]
@@ -206,13 +208,14 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     # seed 0; the longer window 1.683): does either close the gap to synchronous DiLoCo?
     f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, SEEDS),
     f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
-    # K = 2 on the default wire (4 bits both ways): the default since 2026-11-28.
+    # K = 2 on the default wire (4 bits both ways); without the grace window (below) the
+    # default since 2026-11-28.
     DEFAULT_K2: (K2, 4, SEEDS),
     # Rounds of two learners are closer to synchronous DiLoCo's, which is best at outer lr 0.5
     # (1.605 against 1.673 at 0.7); K = 1 gained nothing from it (1.717 against 1.719).
     f"{DEFAULT_K2}, outer lr 0.5": ([*K2, "outer.lr=0.5"], 4, SEEDS),
-    # Issue 11's grace and merge targets for the new default.
-    f"{DEFAULT_K2}, no grace": ([*K2, "diloco.grace_fraction=0"], 4, SEEDS),
+    # Issue 11's grace and merge targets for K = 2.
+    f"{DEFAULT_K2}, no grace": ([*K2, *NO_GRACE], 4, SEEDS),
     f"{DEFAULT_K2}, mean merge": ([*K2, "diloco.merge=mean"], 4, (0,)),
 }
 # The model's width (d_model; d_ff 4x), seed 0: is the gap to data-parallel, which M = 1 does

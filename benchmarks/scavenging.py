@@ -122,12 +122,13 @@ def plot(
 
 
 # The Ray run: tests/fixtures/tiny_train.yaml's model, steps paced at 50 ms (mostly sleep, so
-# eight learners fit two cores), 4 base learners, +100% = 4 temporary ones; K = 2 as in the
-# 4-learner job files.
+# eight learners fit two cores), 4 base learners, +100% = 4 temporary ones; K = 2 without
+# the grace window, as in the 4-learner job files.
 RAY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_train.yaml"
 RAY_RUN = [
     "diloco.mode=decoupled",
     "diloco.quorum_min=2",
+    "diloco.grace_fraction=0",
     "token_budget=400000",
     "pace=step_time",
     "step_time_s=0.05",

@@ -20,8 +20,8 @@ class DilocoConfig(_Frozen):
     num_fragments: int = Field(24, ge=1, description="P")
     overlap_steps: int = Field(2, ge=0, description="tau")
     # K. 1 here, valid for any number of learners; the 4-learner job files take 2 (half the
-    # learners), which beat K = 1 at the quality horizon and under failures (README, "Where
-    # this departs"). K = 2 of 2 learners would be a barrier.
+    # learners) without the grace window, which beat K = 1 at the quality horizon and under
+    # failures (README, "Where this departs"). K = 2 of 2 learners would be a barrier.
     quorum_min: int = Field(1, ge=1, description="K")
     grace_fraction: float = Field(0.5, ge=0, lt=1, description="gamma")
     grace_max_s: float = Field(5.0, ge=0)

@@ -43,7 +43,7 @@ def test_quick_benchmarks_write_their_tables(tmp_path):
     goodput, quality, bandwidth = (run.result() for run in runs)
     assert {(r["mode"], r["failures"]) for r in goodput["rows"]} == {
         (m, f)
-        for m in ("decoupled", "decoupled K=1", "synchronous", "data_parallel")
+        for m in ("decoupled", "decoupled, grace", "decoupled K=1", "synchronous", "data_parallel")
         for f in ("none", "moderate", "aggressive")
     }
     columns = {"goodput", "uptime", "time_to_target_s", "heldout_loss", "work_lost"}
