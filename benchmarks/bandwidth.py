@@ -43,15 +43,13 @@ QUICK = QUICK_MODEL
 # Homogeneous learners behind one link with 1 ms latency: the bandwidth is the only constraint
 # (an 18% slower learner alone caps a barrier's goodput at ~0.85 whatever the link).
 WAN = [f"learners.{i}.{k}" for i in range(4) for k in ("region=wan", "speed=1", "jitter=0")]
-# Decoupled with the grace window, as measured (K = 2's first day; without it, the default
-# since, a K = 2 round moves 3% more bytes at 2M tokens: quality table).
-GRACE = ["diloco.grace_fraction=0.5"]
 MODES = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
-    "decoupled": GRACE,
-    "decoupled K=1": [*GRACE, "diloco.quorum_min=1"],  # the default before 2026-11-28
-    "decoupled, publish to contributors": [*GRACE, "diloco.publish_to=contributors"],
+    "decoupled": [],
+    # the default before 2026-11-28: K = 1 with the grace window
+    "decoupled K=1": ["diloco.quorum_min=1", "diloco.grace_fraction=0.5"],
+    "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }
 # wire label -> (upstream dtype, publish_delta)
 WIRES = {
