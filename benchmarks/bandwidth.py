@@ -8,8 +8,7 @@ in-process reference run (virtual clock, `step_time_s` per inner step).
 The bound: per learner and H inner steps, data-parallel's ring all-reduce moves 2 x 4 bytes
 per parameter per step (8H), DiLoCo every fragment once up and, at best, once down (b_up +
 b_down bytes per parameter: float32 4, bfloat16 2, int4 0.5625 and int2 0.3125 with their
-blockwise scales). `publish_to: all` sends more than one round down per window, K = 1 more
-than K = 2 (the default).
+blockwise scales). `publish_to: all` sends more than one round down per window.
 
 H = 100 (jobs/cluster-*.yaml: P = 25, tau = 5) needs more inner steps than the reference's 2M
 tokens at 32 sequences per learner give (2.4 syncs per fragment): those rows train 8 sequences
@@ -36,7 +35,7 @@ from ray_diloco.algorithm.wire import wire_bytes
 from ray_diloco.config import load_config
 from ray_diloco.sim.simulate import run_reference
 
-from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
+from common import GRACE, QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
 
 CONFIG = REFERENCE
 QUICK = QUICK_MODEL
@@ -48,7 +47,7 @@ MODES = {
     "synchronous": ["diloco.mode=synchronous"],
     "decoupled": [],
     # the default before 2026-11-28: K = 1 with the grace window
-    "decoupled K=1": ["diloco.quorum_min=1", "diloco.grace_fraction=0.5"],
+    "decoupled K=1": ["diloco.quorum_min=1", *GRACE],
     "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }
 # wire label -> (upstream dtype, publish_delta)

@@ -32,9 +32,11 @@ QUICK_MODEL = [
 # The quality benchmarks' variants start from algorithm.md as written (every learner receives
 # every round, a round steps in full, a new version overwrites the learner's values, bfloat16
 # both ways, K = 1 with the grace window) and name what they change.
+GRACE = ["diloco.grace_fraction=0.5"]  # algorithm.md's grace window (DilocoConfig's default)
+NO_GRACE = ["diloco.grace_fraction=0"]
 AS_WRITTEN = [
     "diloco.quorum_min=1",
-    "diloco.grace_fraction=0.5",
+    *GRACE,
     "diloco.wire_dtype=bfloat16",
     "diloco.publish_delta=none",
     "diloco.publish_to=all",
@@ -56,7 +58,14 @@ def both_ways(bits: str) -> list[str]:
 # On top of AS_WRITTEN: the mix on 4 bits both ways, with a quorum of two. Without the grace
 # window (K2 + NO_GRACE) it is the 4-learner job files' default since 2026-11-28.
 K2 = [*MIX, *both_ways("int4"), "diloco.quorum_min=2"]
-NO_GRACE = ["diloco.grace_fraction=0"]
+
+# Row names quality.py and quality_horizon.py share. The config's defaults: DEFAULT (the sqrt
+# step) until 2026-11-27; DEFAULT_ROW (MIX, on the bfloat16 wire) since; f"{DEFAULT_ROW}, int4
+# both ways" from 2026-11-28; DEFAULT_K2 (K2) later that day; f"{DEFAULT_K2}, no grace" since.
+FRACTION_STEP = "decoupled K=1 grace, fraction step"
+DEFAULT = "decoupled K=1 grace, sqrt step"
+DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
+DEFAULT_K2 = f"{DEFAULT_ROW}, int4 both ways, K=2"
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ from ray_diloco.config import load_config
 from ray_diloco.report import save_figure
 from ray_diloco.sim.simulate import run_reference
 
-from common import QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
+from common import GRACE, QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=40000"]
@@ -40,8 +40,8 @@ INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP
 # `decoupled K=1` (with the window) is the default before.
 MODES = {
     "decoupled": ["diloco.mode=decoupled"],
-    "decoupled, grace": ["diloco.mode=decoupled", "diloco.grace_fraction=0.5"],
-    "decoupled K=1": ["diloco.mode=decoupled", "diloco.quorum_min=1", "diloco.grace_fraction=0.5"],
+    "decoupled, grace": ["diloco.mode=decoupled", *GRACE],
+    "decoupled K=1": ["diloco.mode=decoupled", "diloco.quorum_min=1", *GRACE],
     "synchronous": ["diloco.mode=synchronous"],
     "data_parallel": ["diloco.mode=data_parallel"],
 }

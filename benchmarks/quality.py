@@ -20,6 +20,10 @@ from ray_diloco.sim.simulate import run_reference
 
 from common import (
     AS_WRITTEN,
+    DEFAULT,
+    DEFAULT_K2,
+    DEFAULT_ROW,
+    FRACTION_STEP,
     K2,
     MIX,
     NO_GRACE,
@@ -33,14 +37,7 @@ from common import (
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=60000"]
-# Every variant names what it changes from AS_WRITTEN; the default config is the row
-# f"{DEFAULT_K2}, no grace" since 2026-11-28 (DEFAULT_K2, with the grace window, earlier that
-# day; f"{DEFAULT_ROW}, int4 both ways" before K = 2; DEFAULT_ROW, MIX on the bfloat16 wire,
-# since 2026-11-27; the sqrt step alone, DEFAULT, before).
-DEFAULT = "decoupled K=1 grace, sqrt step"
-DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
-DEFAULT_K2 = f"{DEFAULT_ROW}, int4 both ways, K=2"
-FRACTION_STEP = "decoupled K=1 grace, fraction step"
+# Every variant names what it changes from AS_WRITTEN (the default config's rows: common.py).
 VARIANTS: dict[str, list[str]] = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],

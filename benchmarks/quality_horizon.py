@@ -27,6 +27,10 @@ from ray_diloco.tasks.byte_lm import ByteLMArgs
 
 from common import (
     AS_WRITTEN,
+    DEFAULT,
+    DEFAULT_K2,
+    DEFAULT_ROW,
+    FRACTION_STEP,
     K2,
     MIX,
     NO_GRACE,
@@ -51,14 +55,7 @@ GLOBAL_BATCH = 32
 SEEDS = (0, 1, 2)
 # As in quality.py: every variant names what it changes from AS_WRITTEN (common.py).
 AS_WRITTEN_K1 = "decoupled K=1 grace"
-DEFAULT = "decoupled K=1 grace, sqrt step"  # the config's defaults until 2026-11-27
-# The config's defaults since: the sqrt step with Streaming DiLoCo's mixing (MIX, SQRT_SWEEP);
-# since 2026-11-28 on the 4-bit wire both ways with K = 2 and no grace window, the row
-# f"{DEFAULT_K2}, no grace".
-DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"
-DEFAULT_K2 = f"{DEFAULT_ROW}, int4 both ways, K=2"
 SQRT = ["diloco.round_step=sqrt"]
-FRACTION_STEP = "decoupled K=1 grace, fraction step"
 FRACTION = ["diloco.round_step=fraction"]
 BEST_2M = "decoupled K=1 grace, contributors, share step"
 # name -> (overrides, learners, seeds)
