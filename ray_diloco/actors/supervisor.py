@@ -137,10 +137,11 @@ class Supervisor(MembershipDuty):
         with self._lock:
             snap = dict(self._snapshot)
         end = self._end_t if self._end_t is not None else self._now()
+        live = self._end_t is None
         window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
         return {
             **snap,
-            **tape_summary(self.tape.events, end, window, self.regions),
+            **tape_summary(self.tape.events, end, window, self.regions, live),
             "t": end,
             "done": self._done.is_set(),
             "final": self._final,
@@ -288,7 +289,7 @@ class Supervisor(MembershipDuty):
         """Goodput and uptime so far, and which learners are up, as Prometheus gauges."""
         self._exported_at = now
         window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
-        report = compute_goodput(self.tape.events, now, window)
+        report = compute_goodput(self.tape.events, now, window, live=True)
         self.metrics.goodput(report.goodput, report.uptime)
         for name, watch in self.control.watches.items():
             self.metrics.learner_up(name, watch.state in _UP)

@@ -18,6 +18,9 @@ a live run, a replayed tape and the simulator. Definitions, precisely:
   so a final partial window counts pro-rata. start is the first round closed at or after the
   first `RunStarted.t` (else 0): before it there is no global model being trained to stall
   (booting and compiling are charged to goodput, not to uptime). No round at all: uptime 0.
+  While a run is live (`live=True`) its last window is still open: without a round in it yet
+  it is left out, not counted down, because a round reaches the tape only once a learner has
+  received its publication, a second or more after it closed.
 
 Events after `end_t` are ignored. Events may come in any order; ties keep tape order.
 """
@@ -109,7 +112,9 @@ class _Timeline:
         return LearnerBreakdown(dict(self.seconds), allocated, productive, self.work_lost_s)
 
 
-def compute_goodput(events: Iterable[Event], end_t: float, uptime_window_s: float) -> GoodputReport:
+def compute_goodput(
+    events: Iterable[Event], end_t: float, uptime_window_s: float, live: bool = False
+) -> GoodputReport:
     """Goodput, uptime, per-learner breakdown and recovery times (see the module docstring)."""
     if uptime_window_s <= 0:
         raise ValueError(f"uptime_window_s={uptime_window_s} must be > 0")
@@ -151,7 +156,7 @@ def compute_goodput(events: Iterable[Event], end_t: float, uptime_window_s: floa
     productive = sum(b.productive_s for b in breakdown.values())
     return GoodputReport(
         goodput=productive / allocated if allocated > 0 else 0.0,
-        uptime=uptime(rounds, first_round, end_t, uptime_window_s),
+        uptime=uptime(rounds, first_round, end_t, uptime_window_s, open_end=live),
         allocated_s=allocated,
         productive_s=productive,
         num_failures=num_failures,
@@ -164,8 +169,11 @@ def _times(recovery: dict[str, RecoveryTimes], kind: str) -> RecoveryTimes:
     return recovery.setdefault(kind, RecoveryTimes([], [], []))
 
 
-def uptime(round_times: Iterable[float], start: float, end: float, window_s: float) -> float:
-    """Fraction of [start, end] in fixed windows of `window_s` that saw a round close."""
+def uptime(
+    round_times: Iterable[float], start: float, end: float, window_s: float, open_end: bool = False
+) -> float:
+    """Fraction of [start, end] in fixed windows of `window_s` that saw a round close; with
+    `open_end`, a last window without a round is left out (it may still see one)."""
     span = end - start
     if span <= 0:
         return 0.0
@@ -175,5 +183,8 @@ def uptime(round_times: Iterable[float], start: float, end: float, window_s: flo
         if start <= t <= end:
             # A round exactly at `end` belongs to the last (closed) window.
             up.add(min(int((t - start) // window_s), num_windows - 1))
+    if open_end and num_windows > 1 and num_windows - 1 not in up:
+        span = (num_windows - 1) * window_s
+        end = start + span
     up_s = sum(min(window_s, end - (start + k * window_s)) for k in up)
     return up_s / span

@@ -232,14 +232,19 @@ def summarize_outcomes(outcomes: Iterable[FaultOutcome]) -> dict[str, dict[str, 
 
 
 def tape_summary(
-    events: Iterable[Event], end_t: float, uptime_window_s: float, regions: Mapping[str, str]
+    events: Iterable[Event],
+    end_t: float,
+    uptime_window_s: float,
+    regions: Mapping[str, str],
+    live: bool = False,
 ) -> dict[str, Any]:
-    """Everything a status or summary reports from the tape: goodput and uptime (goodput.py),
-    seconds per state of every learner, failures, and each injected fault's outcome."""
+    """Everything a status or summary reports from the tape: goodput and uptime (goodput.py;
+    `live`: the run goes on after `end_t`), seconds per state of every learner, failures, and
+    each injected fault's outcome."""
     from ray_diloco.control.goodput import compute_goodput
 
     evs = list(events)
-    report = compute_goodput(evs, end_t, uptime_window_s)
+    report = compute_goodput(evs, end_t, uptime_window_s, live)
     outcomes = fault_outcomes(evs, regions)
     return {
         "goodput": report.goodput,

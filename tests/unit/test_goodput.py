@@ -122,6 +122,21 @@ def test_uptime_window_edges_and_partial_window():
     assert uptime([1.0], 5.0, 5.0, 10.0) == 0.0
 
 
+def test_a_live_runs_open_window_is_not_counted_down_before_its_round_arrives():
+    # Every round of [0, 95] reached the tape but the last window's, still on its way.
+    closed = [float(t) for t in range(0, 90, 3)]
+    assert uptime(closed, 0.0, 95.0, 10.0) == pytest.approx(90.0 / 95.0)  # the run is over
+    assert uptime(closed, 0.0, 95.0, 10.0, open_end=True) == pytest.approx(1.0)
+    # A round in the open window counts it, and a closed window without one stays down.
+    assert uptime([*closed, 91.0], 0.0, 95.0, 10.0, open_end=True) == pytest.approx(1.0)
+    gap = [t for t in closed if not 40 <= t < 50]
+    assert uptime(gap, 0.0, 95.0, 10.0, open_end=True) == pytest.approx(80.0 / 90.0)
+    # One window so far, no round in it: as when the run is over.
+    assert uptime([], 0.0, 5.0, 10.0, open_end=True) == 0.0
+    rep = compute_goodput(rounds(*closed), end_t=95.0, uptime_window_s=10.0, live=True)
+    assert rep.uptime == pytest.approx(1.0)
+
+
 def test_uptime_starts_at_the_first_round_of_the_run():
     # The round at 5 s is before the run started; booting until 25 s is no downtime:
     # [25, 40] in windows [25, 35) (up) and [35, 40] (down).
