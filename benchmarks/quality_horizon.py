@@ -240,6 +240,26 @@ SCALE |= {
     for name, (overrides, _, _) in SCALE.items()
     if name.endswith(", width 128")
 }
+# The global batch, 4x (a learner's 8 sequences become 32) with 4x the tokens, so that every
+# run still takes 2,500 inner steps and about 104 outer steps a fragment: does the gap to
+# data-parallel, which M = 1 does not have, shrink when a learner's share of the batch grows,
+# as it is in the published runs (millions of tokens a learner step)? Data-parallel also at
+# twice the inner lr, which a larger batch may want.
+BIG_BATCH = 128
+BATCH = f", global batch {BIG_BATCH}"
+BIG = [f"token_budget={4 * 2_560_000}"]
+SCALE |= {
+    f"{name}{BATCH}": ([*(VARIANTS | DEFAULT_CHECKS)[name][0], *BIG], 4, (0,))
+    for name in ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
+} | {
+    f"data_parallel, inner lr 0.006{BATCH}": (
+        ["diloco.mode=data_parallel", "inner.lr=0.006", *BIG],
+        4,
+        (0,),
+    )
+}
+# Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
+GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
 # and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
@@ -253,12 +273,16 @@ CANDIDATES = (
 )
 
 
-def learners(num: int) -> list[dict[str, Any]]:
-    """M learners sharing the global batch; every other one 18% slower, all with jitter."""
+def global_batch(variant: str) -> int:
+    return BIG_BATCH if variant.endswith(BATCH) else GLOBAL_BATCH
+
+
+def learners(num: int, batch: int) -> list[dict[str, Any]]:
+    """M learners sharing the global `batch`; every other one 18% slower, all with jitter."""
     return [
         {
             "name": f"learner-{i}",
-            "batch_size": GLOBAL_BATCH // num,
+            "batch_size": batch // num,
             "jitter": 0.1,
             **({"speed": 0.82} if i % 2 else {}),
         }
@@ -266,12 +290,14 @@ def learners(num: int) -> list[dict[str, Any]]:
     ]
 
 
-def horizon_config(overrides: list[str], num: int, seed: int, quick: bool) -> RunConfig:
+def horizon_config(
+    overrides: list[str], num: int, seed: int, quick: bool, batch: int = GLOBAL_BATCH
+) -> RunConfig:
     base = QUICK if quick else HORIZON
     run_dir = f"run_dir=/tmp/quality_horizon/{num}-{seed}-{'-'.join(overrides) or 'default'}"
     cfg = load_config(REFERENCE, [*base, *AS_WRITTEN, *overrides, f"seed={seed}", run_dir])
     tree = cfg.model_dump(mode="json")
-    tree["learners"] = learners(num)
+    tree["learners"] = learners(num, batch)
     return build_config(tree, f"{REFERENCE.name} with {num} learners")
 
 
@@ -280,19 +306,21 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
 
     name, overrides, num, seed, quick = job
     cache_compilations()
-    cfg = horizon_config(overrides, num, seed, quick)
+    batch = global_batch(name)
+    cfg = horizon_config(overrides, num, seed, quick, batch)
     t0 = time.perf_counter()
     s = run_reference(cfg)
     # Steps of the fastest learner (data-parallel: its one learner, the whole global batch).
     per_learner = s.get("learners", {}).values()
     seq_len = ByteLMArgs(**cfg.task_args).model.seq_len
-    whole = s["tokens"] / (GLOBAL_BATCH * seq_len)
+    whole = s["tokens"] / (batch * seq_len)
     steps = max((r["inner_steps"] for r in per_learner), default=whole)
     d = cfg.diloco
     return {
         "variant": name,
         "seed": seed,
         "learners": num,
+        "global_batch": batch,
         "heldout_loss": s["heldout_loss"],
         "tokens": s["tokens"],
         "inner_steps_per_learner": steps,
@@ -308,7 +336,8 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per variant: mean held-out loss over its seeds, spread (max - min), against
-    data-parallel's and synchronous DiLoCo's means (of the same width for SCALE's rows)."""
+    data-parallel's and synchronous DiLoCo's means (of the same width or batch for SCALE's
+    rows)."""
     rows = []
     for name in dict.fromkeys(r["variant"] for r in runs):
         mine = [r for r in runs if r["variant"] == name]
@@ -335,9 +364,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     means = {r["variant"]: r["heldout_loss"] for r in rows}
     for r in rows:
-        width = next((f", width {w}" for w in WIDTHS if f", width {w}" in r["variant"]), "")
+        group = next((g for g in GROUPS if g in r["variant"]), "")
         for ref, key in (("data_parallel", "vs_data_parallel"), ("synchronous", "vs_synchronous")):
-            ref += width
+            ref += group
             r[key] = r["heldout_loss"] / means[ref] - 1 if ref in means else None
     return rows
 

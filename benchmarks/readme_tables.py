@@ -82,6 +82,9 @@ def quality_horizon(data: dict[str, Any]) -> str:
 
 
 def goodput(data: dict[str, Any]) -> str:
+    # runs before 2026-11-28 had one failure schedule (chaos seed 7) and no chaos_seed field
+    seeds = data["meta"].get("chaos_seeds", [7])
+    first = [r for r in data["rows"] if r.get("chaos_seed") in (None, seeds[0])]
     rows = [
         {
             "mode": r["mode"],
@@ -94,11 +97,43 @@ def goodput(data: dict[str, Any]) -> str:
             "final held-out loss": _num(r["heldout_loss"]),
             "work lost": _num(r.get("work_lost"), 3),
         }
-        for r in data["rows"]
+        for r in first
     ]
-    return (
-        markdown_table(rows, list(rows[0])) + f"\n\nTarget loss: {data['meta']['target_loss']:.3f}."
-    )
+    target = data["meta"]["target_loss"]
+    parts = [
+        f"Chaos seed {seeds[0]}:",
+        markdown_table(rows, list(rows[0])),
+        f"Target loss: {target:.3f}.",
+    ]
+    if len(seeds) > 1:
+        parts += [
+            "Every failure schedule: virtual s to the target loss (final held-out loss), and "
+            "on how many schedules the mode got there before data-parallel:",
+            markdown_table(
+                schedules := _goodput_schedules(data["rows"], seeds), list(schedules[0])
+            ),
+        ]
+    return "\n\n".join(parts)
+
+
+def _goodput_schedules(rows: Rows, seeds: list[int]) -> Rows:
+    by = {(r["mode"], r["failures"], r["chaos_seed"]): r for r in rows if r["chaos_seed"]}
+    out = []
+    for mode, failures in dict.fromkeys((m, f) for m, f, _ in by):
+        runs = [by[(mode, failures, seed)] for seed in seeds]
+        row: dict[str, Any] = {"mode": mode, "failures": failures}
+        for seed, r in zip(seeds, runs, strict=True):
+            row[f"seed {seed}"] = f"{_num(r['time_to_target_s'], 1)} ({_num(r['heldout_loss'])})"
+        ahead = sum(
+            r["time_to_target_s"] is not None
+            and (
+                r["dp_time_to_target_s"] is None or r["time_to_target_s"] < r["dp_time_to_target_s"]
+            )
+            for r in runs
+        )
+        row["before data-parallel"] = "-" if mode == "data_parallel" else f"{ahead} of {len(runs)}"
+        out.append(row)
+    return out
 
 
 def bandwidth(data: dict[str, Any]) -> str:

@@ -46,6 +46,12 @@ def test_quick_benchmarks_write_their_tables(tmp_path):
         for m in ("decoupled", "decoupled, grace", "decoupled K=1", "synchronous", "data_parallel")
         for f in ("none", "moderate", "aggressive")
     }
+    # every failure rate under every failure schedule, the fault-free runs once
+    seeds = goodput["meta"]["chaos_seeds"]
+    assert len(seeds) > 1
+    for failures in ("none", "moderate", "aggressive"):
+        ran = [r["chaos_seed"] for r in goodput["rows"] if r["failures"] == failures]
+        assert ran == [None] * 5 if failures == "none" else sorted(ran) == sorted(seeds * 5)
     columns = {"goodput", "uptime", "time_to_target_s", "heldout_loss", "work_lost"}
     assert columns <= goodput["rows"][0].keys()
     assert (tmp_path / "goodput-quick.png").stat().st_size > 0
