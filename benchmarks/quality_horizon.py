@@ -7,6 +7,8 @@ smaller model and batch, so that a run has about 104 outer steps per fragment on
 3-layer, 64-wide model on sequences of 32 bytes, a global batch of 32 sequences split over the
 M learners (8 each for M = 4; every other learner 18% slower, all with 10% jitter), 2.56M
 tokens (2,500 inner steps per learner for M = 4). Data-parallel takes the same global batch.
+The `global batch 128` rows take 4x the batch and the tokens, at the same steps; they are
+plotted apart (`quality_horizon-batch.png`).
 
     python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~2 h)
     python benchmarks/quality_horizon.py --quick    # tiny model, smoke check
@@ -240,23 +242,27 @@ SCALE |= {
     for name, (overrides, _, _) in SCALE.items()
     if name.endswith(", width 128")
 }
-# The global batch, 4x (a learner's 8 sequences become 32) with 4x the tokens, so that every
-# run still takes 2,500 inner steps and about 104 outer steps a fragment: does the gap to
-# data-parallel, which M = 1 does not have, shrink when a learner's share of the batch grows,
-# as it is in the published runs (millions of tokens a learner step)? Data-parallel also at
-# twice the inner lr, which a larger batch may want.
+# The global batch, 4x (a learner's 8 sequences become 32) with 4x the tokens (horizon_config),
+# so that every run still takes 2,500 inner steps and about 104 outer steps a fragment: does
+# the gap to data-parallel, which M = 1 does not have, shrink when a learner's share of the
+# batch grows, as it is in the published runs (millions of tokens a learner step)?
+# Data-parallel also at larger inner lrs, which a larger batch may want, and DiLoCo at the
+# outer lr synchronous DiLoCo preferred at the smaller batch.
 BIG_BATCH = 128
 BATCH = f", global batch {BIG_BATCH}"
-BIG = [f"token_budget={4 * 2_560_000}"]
+BATCHED = ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
+SCALE |= {f"{name}{BATCH}": ((VARIANTS | DEFAULT_CHECKS)[name][0], 4, SEEDS) for name in BATCHED}
 SCALE |= {
-    f"{name}{BATCH}": ([*(VARIANTS | DEFAULT_CHECKS)[name][0], *BIG], 4, (0,))
-    for name in ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
-} | {
-    f"data_parallel, inner lr 0.006{BATCH}": (
-        ["diloco.mode=data_parallel", "inner.lr=0.006", *BIG],
+    f"data_parallel, inner lr {lr}{BATCH}": (
+        ["diloco.mode=data_parallel", f"inner.lr={lr}"],
         4,
         (0,),
     )
+    for lr in (0.006, 0.012)
+} | {
+    # synchronous DiLoCo's best outer lr at the smaller batch (1.605 against 1.673 at 0.7)
+    f"{name}, outer lr 0.5{BATCH}": ([*SCALE[f"{name}{BATCH}"][0], "outer.lr=0.5"], 4, (0,))
+    for name in BATCHED[1:]
 }
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH)
@@ -294,10 +300,12 @@ def horizon_config(
     overrides: list[str], num: int, seed: int, quick: bool, batch: int = GLOBAL_BATCH
 ) -> RunConfig:
     base = QUICK if quick else HORIZON
-    run_dir = f"run_dir=/tmp/quality_horizon/{num}-{seed}-{'-'.join(overrides) or 'default'}"
+    named = "-".join(overrides) or "default"
+    run_dir = f"run_dir=/tmp/quality_horizon/{num}x{batch // num}-{seed}-{named}"
     cfg = load_config(REFERENCE, [*base, *AS_WRITTEN, *overrides, f"seed={seed}", run_dir])
     tree = cfg.model_dump(mode="json")
     tree["learners"] = learners(num, batch)
+    tree["token_budget"] = cfg.token_budget * batch // GLOBAL_BATCH  # the same steps
     return build_config(tree, f"{REFERENCE.name} with {num} learners")
 
 
@@ -332,6 +340,36 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t0,
         "evals": s["evals"],
     }
+
+
+def plot_batches(runs: list[dict[str, Any]], path: Path) -> None:
+    """Seed 0 of data-parallel, synchronous DiLoCo and the default at both global batches, a
+    panel each, zoomed on the last two thirds of the run (the batch rows' question)."""
+    from matplotlib.figure import Figure
+
+    from ray_diloco.report import save_figure
+
+    names = ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
+    labels = ("data-parallel", "synchronous DiLoCo", "decoupled (default: K=2, no grace)")
+    fig = Figure(figsize=(12, 4.6))
+    panels = ((GLOBAL_BATCH, ""), (BIG_BATCH, BATCH))
+    for ax, (batch, suffix) in zip(fig.subplots(1, 2), panels, strict=True):
+        ends = []
+        for name, label in zip(names, labels, strict=True):
+            run = next(r for r in runs if r["variant"] == name + suffix and r["seed"] == 0)
+            tokens = [e["tokens"] / 1e6 for e in run["evals"]]
+            losses = [e["heldout_loss"] for e in run["evals"]]
+            ax.plot(tokens, losses, label=f"{label} (ends at {losses[-1]:.3f})", linewidth=1.4)
+            ends.append(losses[-1])
+        ax.set_xlim(tokens[-1] / 3, tokens[-1] * 1.01)
+        ax.set_ylim(min(ends) - 0.05, max(ends) + 0.35)
+        per = batch // 4
+        ax.set_title(f"global batch {batch} ({per} sequences a learner), seed 0", fontsize=10)
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("held-out loss (global parameters)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=110)
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -442,10 +480,12 @@ def main() -> None:
     # Seed 0 of the variants run with the most seeds (the rest only in the table: 30 curves
     # were more than a legend can tell apart), the last third zoomed.
     most = max(row["seeds"] for row in rows)
-    mains = [row for row in rows if row["seeds"] == most]
+    mains = [row for row in rows if row["seeds"] == most and not row["variant"].endswith(BATCH)]
     firsts = [next(r for r in runs if r["variant"] == row["variant"]) for row in mains]
     curves = [(f"{r['variant']} (seed {r['seed']})", r["evals"]) for r in firsts]
     plot_loss_curves(curves, args.out / f"{name}.png", zoom_from=2 / 3)
+    if not args.quick and any(r["variant"].endswith(BATCH) for r in runs):
+        plot_batches(runs, args.out / f"{name}-batch.png")
     columns = [
         "variant",
         "learners",
