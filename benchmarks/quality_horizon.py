@@ -252,18 +252,31 @@ BIG_BATCH = 128
 BATCH = f", global batch {BIG_BATCH}"
 BATCHED = ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
 SCALE |= {f"{name}{BATCH}": ((VARIANTS | DEFAULT_CHECKS)[name][0], 4, SEEDS) for name in BATCHED}
-SCALE |= {
-    f"data_parallel, inner lr {lr}{BATCH}": (
-        ["diloco.mode=data_parallel", f"inner.lr={lr}"],
-        4,
-        (0,),
-    )
-    for lr in (0.006, 0.012)
-} | {
-    # synchronous DiLoCo's best outer lr at the smaller batch (1.605 against 1.673 at 0.7)
-    f"{name}, outer lr 0.5{BATCH}": ([*SCALE[f"{name}{BATCH}"][0], "outer.lr=0.5"], 4, (0,))
-    for name in BATCHED[1:]
-}
+SCALE |= (
+    {
+        f"data_parallel, inner lr {lr}{BATCH}": (
+            ["diloco.mode=data_parallel", f"inner.lr={lr}"],
+            4,
+            (0,),
+        )
+        for lr in (0.006, 0.012)
+    }
+    | {
+        # synchronous DiLoCo's best outer lr at the smaller batch (1.605 against 1.673 at 0.7)
+        f"{name}, outer lr 0.5{BATCH}": ([*SCALE[f"{name}{BATCH}"][0], "outer.lr=0.5"], 4, (0,))
+        for name in BATCHED[1:]
+    }
+    | {
+        # What of decoupling costs the default its 1.4% against synchronous DiLoCo at this batch:
+        # rounds of every learner instead of two, and synchronous DiLoCo with the mix.
+        f"{DEFAULT_ROW}, int4 both ways, K=M, no grace{BATCH}": (
+            [*K2, *NO_GRACE, "diloco.quorum_min=4"],
+            4,
+            (0,),
+        ),
+        f"synchronous, mixing alpha 0.25{BATCH}": (["diloco.mode=synchronous", *MIX], 4, (0,)),
+    }
+)
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
