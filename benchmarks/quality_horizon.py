@@ -275,6 +275,9 @@ SCALE |= (
             (0,),
         ),
         f"synchronous, mixing alpha 0.25{BATCH}": (["diloco.mode=synchronous", *MIX], 4, (0,)),
+        # ... and the 4-bit wire: the default, and rounds of every learner, on bfloat16
+        f"{DEFAULT_ROW}, K=2, no grace{BATCH}": ([*MIX, "diloco.quorum_min=2", *NO_GRACE], 4, (0,)),
+        f"{DEFAULT_ROW}, K=M, no grace{BATCH}": ([*MIX, "diloco.quorum_min=4", *NO_GRACE], 4, (0,)),
     }
 )
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
