@@ -280,6 +280,13 @@ SCALE |= (
         f"{DEFAULT_ROW}, K=M, no grace{BATCH}": ([*MIX, "diloco.quorum_min=4", *NO_GRACE], 4, (0,)),
     }
 )
+# ... and what is left of the asynchrony when no learner is slower than the others (the
+# faster ones otherwise take more of the tokens): both with the mix on the bfloat16 wire.
+SAME_SPEED = ", same speed"
+SCALE |= {
+    f"{name}{SAME_SPEED}{BATCH}": (SCALE[f"{name}{BATCH}"][0], 4, (0,))
+    for name in (f"{DEFAULT_ROW}, K=M, no grace", "synchronous, mixing alpha 0.25")
+}
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
@@ -299,28 +306,35 @@ def global_batch(variant: str) -> int:
     return BIG_BATCH if variant.endswith(BATCH) else GLOBAL_BATCH
 
 
-def learners(num: int, batch: int) -> list[dict[str, Any]]:
-    """M learners sharing the global `batch`; every other one 18% slower, all with jitter."""
+def learners(num: int, batch: int, same_speed: bool = False) -> list[dict[str, Any]]:
+    """M learners sharing the global `batch`; every other one 18% slower (unless
+    `same_speed`), all with jitter."""
     return [
         {
             "name": f"learner-{i}",
             "batch_size": batch // num,
             "jitter": 0.1,
-            **({"speed": 0.82} if i % 2 else {}),
+            **({"speed": 0.82} if i % 2 and not same_speed else {}),
         }
         for i in range(num)
     ]
 
 
 def horizon_config(
-    overrides: list[str], num: int, seed: int, quick: bool, batch: int = GLOBAL_BATCH
+    overrides: list[str],
+    num: int,
+    seed: int,
+    quick: bool,
+    batch: int = GLOBAL_BATCH,
+    same_speed: bool = False,
 ) -> RunConfig:
     base = QUICK if quick else HORIZON
     named = "-".join(overrides) or "default"
-    run_dir = f"run_dir=/tmp/quality_horizon/{num}x{batch // num}-{seed}-{named}"
+    even = "-same" if same_speed else ""
+    run_dir = f"run_dir=/tmp/quality_horizon/{num}x{batch // num}{even}-{seed}-{named}"
     cfg = load_config(REFERENCE, [*base, *AS_WRITTEN, *overrides, f"seed={seed}", run_dir])
     tree = cfg.model_dump(mode="json")
-    tree["learners"] = learners(num, batch)
+    tree["learners"] = learners(num, batch, same_speed)
     tree["token_budget"] = cfg.token_budget * batch // GLOBAL_BATCH  # the same steps
     return build_config(tree, f"{REFERENCE.name} with {num} learners")
 
@@ -331,7 +345,7 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
     name, overrides, num, seed, quick = job
     cache_compilations()
     batch = global_batch(name)
-    cfg = horizon_config(overrides, num, seed, quick, batch)
+    cfg = horizon_config(overrides, num, seed, quick, batch, SAME_SPEED in name)
     t0 = time.perf_counter()
     s = run_reference(cfg)
     # Steps of the fastest learner (data-parallel: its one learner, the whole global batch).
