@@ -140,7 +140,7 @@ def main() -> None:
     )
     args = p.parse_args()
     keys: list[Key] = [
-        (mode, intensity, seed if INTENSITIES[intensity] else None)
+        (mode, intensity, seed)
         for intensity in INTENSITIES
         for seed in (args.chaos_seeds if INTENSITIES[intensity] else [None])
         for mode in MODES
@@ -160,7 +160,7 @@ def main() -> None:
     target = max(results[(m, "none", None)]["heldout_loss"] for m in MODES) * 1.001
     rows = []
     for (mode, intensity, seed), s in results.items():
-        dp = results[("data_parallel", intensity, seed)]
+        dp = results[("data_parallel", intensity, seed)]["goodput"]
         rows.append(
             {
                 "mode": mode,
@@ -169,11 +169,10 @@ def main() -> None:
                 "mtbf_steps": (mtbf := mtbf_s(intensity, args.quick)) and mtbf / STEP_S,
                 "num_failures": s["failures"],
                 "goodput": s["goodput"],
-                "goodput_vs_dp": s["goodput"] / dp["goodput"] if dp["goodput"] else None,
+                "goodput_vs_dp": s["goodput"] / dp if dp else None,
                 "uptime": s["uptime"],
                 "tokens_per_virtual_s": s["tokens"] / s["virtual_time_s"],
                 "time_to_target_s": time_to(s["evals"], target),
-                "dp_time_to_target_s": time_to(dp["evals"], target),
                 "heldout_loss": s["heldout_loss"],
                 # trained tokens whose contribution a guard or a restart dropped
                 "work_lost": s.get("work_lost_fraction"),

@@ -302,8 +302,14 @@ CANDIDATES = (
 )
 
 
+def group(variant: str) -> str:
+    """The width or batch a SCALE row names ("" for the rest): its runs take that setting, and
+    it is compared with data-parallel and synchronous DiLoCo of the same."""
+    return next((g for g in GROUPS if g in variant), "")
+
+
 def global_batch(variant: str) -> int:
-    return BIG_BATCH if variant.endswith(BATCH) else GLOBAL_BATCH
+    return BIG_BATCH if group(variant) == BATCH else GLOBAL_BATCH
 
 
 def learners(num: int, batch: int, same_speed: bool = False) -> list[dict[str, Any]]:
@@ -372,34 +378,37 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
     }
 
 
-def plot_batches(runs: list[dict[str, Any]], path: Path) -> None:
-    """Seed 0 of data-parallel, synchronous DiLoCo and the default at both global batches, a
-    panel each, zoomed on the last two thirds of the run (the batch rows' question)."""
+def plot_batches(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Seed 0 of BATCHED at both global batches, a panel each, zoomed on the last two thirds
+    of the run (the batch rows' question). False, and no plot, while any of them is missing."""
     from matplotlib.figure import Figure
 
     from ray_diloco.report import save_figure
 
-    names = ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
+    panels = ((GLOBAL_BATCH, ""), (BIG_BATCH, BATCH))
+    first = {r["variant"]: r for r in runs if r["seed"] == 0}
+    if any(name + suffix not in first for _, suffix in panels for name in BATCHED):
+        return False
     labels = ("data-parallel", "synchronous DiLoCo", "decoupled (default: K=2, no grace)")
     fig = Figure(figsize=(12, 4.6))
-    panels = ((GLOBAL_BATCH, ""), (BIG_BATCH, BATCH))
     for ax, (batch, suffix) in zip(fig.subplots(1, 2), panels, strict=True):
         ends = []
-        for name, label in zip(names, labels, strict=True):
-            run = next(r for r in runs if r["variant"] == name + suffix and r["seed"] == 0)
+        for name, label in zip(BATCHED, labels, strict=True):
+            run = first[name + suffix]
             tokens = [e["tokens"] / 1e6 for e in run["evals"]]
             losses = [e["heldout_loss"] for e in run["evals"]]
             ax.plot(tokens, losses, label=f"{label} (ends at {losses[-1]:.3f})", linewidth=1.4)
             ends.append(losses[-1])
         ax.set_xlim(tokens[-1] / 3, tokens[-1] * 1.01)
         ax.set_ylim(min(ends) - 0.05, max(ends) + 0.35)
-        per = batch // 4
+        per = batch // run["learners"]
         ax.set_title(f"global batch {batch} ({per} sequences a learner), seed 0", fontsize=10)
         ax.set_xlabel("tokens (millions)")
         ax.set_ylabel("held-out loss (global parameters)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, path, dpi=110)
+    return True
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -432,9 +441,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
     means = {r["variant"]: r["heldout_loss"] for r in rows}
     for r in rows:
-        group = next((g for g in GROUPS if g in r["variant"]), "")
         for ref, key in (("data_parallel", "vs_data_parallel"), ("synchronous", "vs_synchronous")):
-            ref += group
+            ref += group(r["variant"])
             r[key] = r["heldout_loss"] / means[ref] - 1 if ref in means else None
     return rows
 
@@ -510,12 +518,12 @@ def main() -> None:
     # Seed 0 of the variants run with the most seeds (the rest only in the table: 30 curves
     # were more than a legend can tell apart), the last third zoomed.
     most = max(row["seeds"] for row in rows)
-    mains = [row for row in rows if row["seeds"] == most and not row["variant"].endswith(BATCH)]
+    mains = [row for row in rows if row["seeds"] == most and group(row["variant"]) != BATCH]
     firsts = [next(r for r in runs if r["variant"] == row["variant"]) for row in mains]
     curves = [(f"{r['variant']} (seed {r['seed']})", r["evals"]) for r in firsts]
     plot_loss_curves(curves, args.out / f"{name}.png", zoom_from=2 / 3)
-    if not args.quick and any(r["variant"].endswith(BATCH) for r in runs):
-        plot_batches(runs, args.out / f"{name}-batch.png")
+    if not plot_batches(runs, args.out / f"{name}-batch.png"):
+        print(f"no {name}-batch.png: it needs seed 0 of {', '.join(BATCHED)} at both batches")
     columns = [
         "variant",
         "learners",

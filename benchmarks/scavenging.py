@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from ray_diloco.config import RunConfig, load_config
 from ray_diloco.report import save_figure
 
-from common import QUICK_MODEL, REFERENCE, parser, write_results
+from common import NO_GRACE, QUICK_MODEL, REFERENCE, parser, write_results
 
 EXTRA = {0: 0, 50: 2, 100: 4, 200: 8, 300: 12}  # % compute added -> temporary learners
 PUBLISHED = {
@@ -128,7 +128,7 @@ RAY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "ti
 RAY_RUN = [
     "diloco.mode=decoupled",
     "diloco.quorum_min=2",
-    "diloco.grace_fraction=0",
+    *NO_GRACE,
     "token_budget=400000",
     "pace=step_time",
     "step_time_s=0.05",
