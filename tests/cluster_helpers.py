@@ -49,7 +49,11 @@ FAST_HEALTH_CHECKS = {
 
 
 class NodeDied(RuntimeError):
-    """A node of a test cluster died before it was up."""
+    """A node of a test cluster died before it was up; `node_ids` are the dead ones."""
+
+    def __init__(self, message: str, node_ids: frozenset[str]) -> None:
+        super().__init__(message)
+        self.node_ids = node_ids
 
 
 def wait_until_live(cluster: Any, timeout_s: float = NODE_START_TIMEOUT_S) -> None:
@@ -62,7 +66,8 @@ def wait_until_live(cluster: Any, timeout_s: float = NODE_START_TIMEOUT_S) -> No
         dead = [row for row in rows if not row["Alive"]]
         if dead:
             reasons = "; ".join(f"{r['NodeID'][:8]}: {r['DeathReasonMessage']!r}" for r in dead)
-            raise NodeDied(f"node died while the cluster started ({reasons})")
+            dead_ids = frozenset(row["NodeID"] for row in dead)
+            raise NodeDied(f"node died while the cluster started ({reasons})", dead_ids)
         if len(rows) == len(ours):
             return
         if time.monotonic() > deadline:
@@ -75,7 +80,8 @@ def _add_node(
 ) -> Any:
     """Add a node with `env` set while Ray starts it; with `wait`, wait until it is up, and
     start it again (up to `retries` times) if it died on the way: a node starved of CPU at
-    startup can be declared dead, and the tests need a cluster, not that node."""
+    startup can be declared dead, and the tests need a cluster, not that node. Another node
+    that died meanwhile is not this one's to replace: that `NodeDied` is raised at once."""
     with _env(env), patient_node_start():
         node = cluster.add_node(
             object_store_memory=HOST_OBJECT_STORE_BYTES, wait=False, **node_args
@@ -85,7 +91,7 @@ def _add_node(
     try:
         wait_until_live(cluster)
     except NodeDied as died:
-        if not retries:
+        if not retries or node.node_id not in died.node_ids:
             raise
         print(f"tests: {died}; starting it again", file=sys.stderr)
         cluster.remove_node(node, allow_graceful=False)
@@ -307,19 +313,37 @@ def _start_head(region: str | None = None, **head_args: Any) -> Any:
         )
 
 
-@contextlib.contextmanager
-def _connecting(cluster: Any, namespace: str) -> Iterator[None]:
-    """Add hosts inside the block; then wait for every node and connect. Any failure on the
-    way shuts the whole cluster down, so no test leaks raylets."""
+# Whole-cluster starts a fixture makes before it gives up: a node already up can be declared
+# dead while a later one starts (CI, 2026-11-28, at the suite's start beside the other worker's
+# imports: a host died of missed health checks while the next host started, so starting that
+# next host again could not help).
+CLUSTER_START_ATTEMPTS = 3
+
+
+def _start_cluster(namespace: str, add_hosts: Callable[[Any], None], **head_args: Any) -> Any:
+    """A head (`_start_head(**head_args)`) and the hosts `add_hosts(cluster)` adds, every node
+    up, connected to. A node that died on the way shuts the whole cluster down and starts it
+    again, up to CLUSTER_START_ATTEMPTS times; any other failure shuts it down and raises, so
+    no test leaks raylets."""
     import ray
 
-    try:
-        yield
-        wait_until_live(cluster)
-        ray.init(address=cluster.address, namespace=namespace)
-    except BaseException:
-        cluster.shutdown()
-        raise
+    attempt = 1
+    while True:
+        cluster = _start_head(**head_args)
+        try:
+            add_hosts(cluster)
+            wait_until_live(cluster)
+            ray.init(address=cluster.address, namespace=namespace)
+            return cluster
+        except NodeDied as died:
+            cluster.shutdown()
+            if attempt == CLUSTER_START_ATTEMPTS:
+                raise
+            print(f"tests: {died}; starting the whole cluster again", file=sys.stderr)
+            attempt += 1
+        except BaseException:
+            cluster.shutdown()
+            raise
 
 
 def start_tpu_cluster(namespace: str) -> TpuCluster:
@@ -327,13 +351,17 @@ def start_tpu_cluster(namespace: str) -> TpuCluster:
     CPU-only head with health checks tuned so a killed host is declared dead in about 1.5 s,
     and both hosts of every slice in SLICES. Shut down with
     `ray.shutdown(); tpu.cluster.shutdown()`."""
-    cluster = _start_head(_system_config=FAST_HEALTH_CHECKS)
-    tpu = TpuCluster(cluster, {})
-    with _connecting(cluster, namespace):
+    hosts: dict[tuple[str, int], Any] = {}
+
+    def add_hosts(cluster: Any) -> None:
+        hosts.clear()
+        tpu = TpuCluster(cluster, hosts)
         for kind in SLICES:
             for worker_id in range(2):
                 tpu.add_slice_host(kind, worker_id)
-    return tpu
+
+    cluster = _start_cluster(namespace, add_hosts, _system_config=FAST_HEALTH_CHECKS)
+    return TpuCluster(cluster, hosts)
 
 
 def first_error(call: Callable[[], Any], timeout_s: float) -> BaseException:
@@ -370,8 +398,8 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
     host with the pool's pod type, topology, chips per host and region. Slice k of pool i is
     named `pool{i}-slice{k}`. Connected to; shut down with `ray.shutdown(); cluster.shutdown()`."""
     (head,) = spec.heads
-    cluster = _start_head(region=head.region)
-    with _connecting(cluster, namespace):
+
+    def add_hosts(cluster: Any) -> None:
         for i, pool in enumerate(spec.pools):
             shape = pool.shape
             for k in range(pool.max_slices):
@@ -387,7 +415,8 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
                         num_cpus=cpus_per_host,
                         wait=False,  # the hosts start side by side
                     )
-    return cluster
+
+    return _start_cluster(namespace, add_hosts, region=head.region)
 
 
 def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 45.0) -> str:
