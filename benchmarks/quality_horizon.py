@@ -287,8 +287,19 @@ SCALE |= {
     f"{name}{SAME_SPEED}{BATCH}": (SCALE[f"{name}{BATCH}"][0], 4, (0,))
     for name in (f"{DEFAULT_ROW}, K=M, no grace", "synchronous, mixing alpha 0.25")
 }
+# Global batch 256 (64 sequences a learner, 8x the tokens), seed 0: does the gap keep
+# shrinking as a learner's share of the batch grows (+7.2% at 32, +4.3% at 128)?
+BIGGER_BATCH = 256
+BATCH_256 = f", global batch {BIGGER_BATCH}"
+SCALE |= {f"{name}{BATCH_256}": (SCALE[f"{name}{BATCH}"][0], 4, (0,)) for name in BATCHED}
+# ... and each at the inner lr that was data-parallel's best at batch 128 (1.341 against 1.359)
+SCALE |= {
+    f"{name}, inner lr 0.006{BATCH_256}": ([*SCALE[f"{name}{BATCH}"][0], "inner.lr=0.006"], 4, (0,))
+    for name in BATCHED
+}
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
-GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH)
+BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH}
+GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH, BATCH_256)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
 # and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
@@ -309,7 +320,7 @@ def group(variant: str) -> str:
 
 
 def global_batch(variant: str) -> int:
-    return BIG_BATCH if group(variant) == BATCH else GLOBAL_BATCH
+    return BATCHES.get(group(variant), GLOBAL_BATCH)
 
 
 def learners(num: int, batch: int, same_speed: bool = False) -> list[dict[str, Any]]:
@@ -379,19 +390,24 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
 
 
 def plot_batches(runs: list[dict[str, Any]], path: Path) -> bool:
-    """Seed 0 of BATCHED at both global batches, a panel each, zoomed on the last two thirds
-    of the run (the batch rows' question). False, and no plot, while any of them is missing."""
+    """Seed 0 of BATCHED at each global batch they all ran at, a panel each, zoomed on the
+    last two thirds of the run (the batch rows' question). False, and no plot, while they
+    have not run at the two smallest."""
     from matplotlib.figure import Figure
 
     from ray_diloco.report import save_figure
 
-    panels = ((GLOBAL_BATCH, ""), (BIG_BATCH, BATCH))
     first = {r["variant"]: r for r in runs if r["seed"] == 0}
-    if any(name + suffix not in first for _, suffix in panels for name in BATCHED):
+    panels = [
+        (batch, suffix)
+        for suffix, batch in BATCHES.items()
+        if all(name + suffix in first for name in BATCHED)
+    ]
+    if [batch for batch, _ in panels[:2]] != [GLOBAL_BATCH, BIG_BATCH]:
         return False
     labels = ("data-parallel", "synchronous DiLoCo", "decoupled (default: K=2, no grace)")
-    fig = Figure(figsize=(12, 4.6))
-    for ax, (batch, suffix) in zip(fig.subplots(1, 2), panels, strict=True):
+    fig = Figure(figsize=(6 * len(panels), 4.6))
+    for ax, (batch, suffix) in zip(fig.subplots(1, len(panels)), panels, strict=True):
         ends = []
         for name, label in zip(BATCHED, labels, strict=True):
             run = first[name + suffix]
@@ -518,12 +534,14 @@ def main() -> None:
     # Seed 0 of the variants run with the most seeds (the rest only in the table: 30 curves
     # were more than a legend can tell apart), the last third zoomed.
     most = max(row["seeds"] for row in rows)
-    mains = [row for row in rows if row["seeds"] == most and group(row["variant"]) != BATCH]
+    mains = [
+        row for row in rows if row["seeds"] == most and global_batch(row["variant"]) == GLOBAL_BATCH
+    ]
     firsts = [next(r for r in runs if r["variant"] == row["variant"]) for row in mains]
     curves = [(f"{r['variant']} (seed {r['seed']})", r["evals"]) for r in firsts]
     plot_loss_curves(curves, args.out / f"{name}.png", zoom_from=2 / 3)
     if not plot_batches(runs, args.out / f"{name}-batch.png"):
-        print(f"no {name}-batch.png: it needs seed 0 of {', '.join(BATCHED)} at both batches")
+        print(f"no {name}-batch.png: it needs seed 0 of {', '.join(BATCHED)} at batches 32, 128")
     columns = [
         "variant",
         "learners",
