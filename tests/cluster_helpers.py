@@ -320,7 +320,7 @@ def _start_head(region: str | None = None, **head_args: Any) -> Any:
 CLUSTER_START_ATTEMPTS = 3
 
 
-def _start_cluster(namespace: str, add_hosts: Callable[[Any], None], **head_args: Any) -> Any:
+def start_cluster(namespace: str, add_hosts: Callable[[Any], None], **head_args: Any) -> Any:
     """A head (`_start_head(**head_args)`) and the hosts `add_hosts(cluster)` adds, every node
     up, connected to. A node that died on the way shuts the whole cluster down and starts it
     again, up to CLUSTER_START_ATTEMPTS times; any other failure shuts it down and raises, so
@@ -360,7 +360,7 @@ def start_tpu_cluster(namespace: str) -> TpuCluster:
             for worker_id in range(2):
                 tpu.add_slice_host(kind, worker_id)
 
-    cluster = _start_cluster(namespace, add_hosts, _system_config=FAST_HEALTH_CHECKS)
+    cluster = start_cluster(namespace, add_hosts, _system_config=FAST_HEALTH_CHECKS)
     return TpuCluster(cluster, hosts)
 
 
@@ -416,7 +416,7 @@ def start_cluster_from_files(spec: Any, namespace: str, cpus_per_host: int = 1) 
                         wait=False,  # the hosts start side by side
                     )
 
-    return _start_cluster(namespace, add_hosts, region=head.region)
+    return start_cluster(namespace, add_hosts, region=head.region)
 
 
 def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 45.0) -> str:
