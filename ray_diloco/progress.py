@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 RATE_WINDOW_S = 10.0
-UP_STATES = frozenset({"compiling", "training", "blocked"})
 BOOT_STATES = frozenset({"starting", "compiling"})
 
 

@@ -1,7 +1,9 @@
 """A tiny synchronizer for unit tests (no Ray): the config overrides and a core built from
-them, shared by the checkpoint and publication tests."""
+them, shared by the checkpoint and publication tests, and its recovery after a restore."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
@@ -23,3 +25,12 @@ TINY = [
 def tiny_core(cfg: RunConfig) -> SynchronizerCore:
     setup = Setup.build(cfg)
     return SynchronizerCore(cfg, setup.plan, setup.init)
+
+
+def resume_without_learners(core: SynchronizerCore, published: Mapping[int, int]) -> int:
+    """Recovery after a restore with no learner to hand a value over: `published` holds the
+    highest version of each fragment delivered before the restart. Where that is newer than
+    what the checkpoint holds, the restored value gets a fresh version number above it
+    (`finish_recovery`). Returns the rounds lost."""
+    core.start_recovery([], published)
+    return sum(core.finish_recovery(p)[1] for p in list(core.recovering))

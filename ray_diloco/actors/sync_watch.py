@@ -61,7 +61,6 @@ class SyncWatch:
         self.restores = 0
         self.rounds_at_kill: int | None = None
         self._ref: Any = None
-        self._sent_at = 0.0
         self._seq = 0
         self._started_at: float | None = None
         self._last_rounds = 0
@@ -79,7 +78,7 @@ class SyncWatch:
         """(events for the tape, a new status answer or None)."""
         now = self.clock()
         if self._ref is None:
-            self._ref, self._sent_at = self.handle.status.remote(self._seq), now
+            self._ref = self.handle.status.remote(self._seq)
             return self._silence(now), None
         ready, _ = ray.wait([self._ref], timeout=0)
         if not ready:

@@ -52,14 +52,6 @@ class RecoveringCore:
     recovering: dict[int, Recovery]
     down: Downstream
 
-    def resume_versions(self, published: Mapping[int, int]) -> int:
-        """After a restore with no learner to ask (a resumed run's learners start afresh):
-        `published` holds the highest version of each fragment delivered before the restart.
-        Where that is newer than what the checkpoint holds, the restored value gets a fresh
-        version number above it (`finish_recovery`). Returns the rounds lost."""
-        self.start_recovery([], published)
-        return sum(self.finish_recovery(p)[1] for p in list(self.recovering))
-
     def start_recovery(self, logged: Iterable[LoggedRound], delivered: Mapping[int, int]) -> None:
         """After a restore: `logged` are the round log's entries, `delivered` the newest
         version of each fragment a learner received before the restart. A fragment with

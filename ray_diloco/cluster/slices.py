@@ -47,10 +47,6 @@ class SliceShape:
         """GCP accelerator type, e.g. v5p-16 (TensorCores) or v6e-8 (chips)."""
         return f"{self.version}-{self.chips * _CORES_PER_CHIP[self.accelerator]}"
 
-    @property
-    def gke_accelerator(self) -> str:
-        return GKE_ACCELERATORS[self.accelerator]
-
     def describe(self) -> str:
         return f"{self.num_hosts} host(s) x {self.chips_per_host} chips"
 

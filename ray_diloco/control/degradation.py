@@ -30,7 +30,7 @@ from ray_diloco.control.events import Event, LearnerDegraded, LearnerRecovered
 
 log = logging.getLogger(__name__)
 
-SLOW, STARVED, OUTLIER = "slow_steps", "no_contributions", "norm_outlier"
+SLOW, STARVED = "slow_steps", "no_contributions"
 
 
 @dataclass

@@ -37,7 +37,6 @@ class LearnerRestartBook:
     crash_restarts: int = 0
     preemption_restarts: int = 0
     gave_up: bool = False
-    last_healthy_s: float | None = None
 
 
 class RestartPolicy:
@@ -93,9 +92,8 @@ class RestartPolicy:
             attempt=b.attempt,
         )
 
-    def record_healthy(self, learner: str, now: float) -> None:
+    def record_healthy(self, learner: str) -> None:
         """The learner trained healthily again: its next restart waits `restart_backoff_s`
         again. Budgets are not refunded, so a learner cannot fail forever."""
         b = self.book(learner)
         b.attempt = 0
-        b.last_healthy_s = now

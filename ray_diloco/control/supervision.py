@@ -173,7 +173,7 @@ class Supervision:
         event = LearnerRejoined(now, learner, incarnation, versions, now - w.detected_s)
         w.restarted_s = None
         w.attempt = 0
-        self.policy.record_healthy(learner, now)
+        self.policy.record_healthy(learner)
         return [event]
 
     def finished(self, learner: str, now: float, reason: str = "budget") -> list[Event]:

@@ -73,7 +73,7 @@ def test_record_healthy_resets_backoff_but_not_budget():
     p = policy(max_crash_restarts=3)
     assert p.decide("a", FailureKind.CRASH, 0.0).delay_s == 0.5  # type: ignore[union-attr]
     assert p.decide("a", FailureKind.CRASH, 1.0).delay_s == 1.0  # type: ignore[union-attr]
-    p.record_healthy("a", now=30.0)
+    p.record_healthy("a")
     d = p.decide("a", FailureKind.CRASH, 40.0)
     assert isinstance(d, Restart)
     assert d.delay_s == 0.5

@@ -11,6 +11,7 @@ from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
 from ray_diloco.sim.simulate import run_reference
+from tests.sync_helpers import resume_without_learners
 
 TINY = [
     "task_args.model.d_model=32",
@@ -146,7 +147,7 @@ def test_resumed_versions_skip_every_lost_version_number():
     restored = SynchronizerCore(cfg, setup.plan, setup.init)
     restored.load_state_dict(core.state_dict(), now=11.0)
     # versions 2 and 3 of fragment 0 were published after the checkpoint, then lost
-    assert restored.resume_versions({0: 3, 1: 0}) == 2
+    assert resume_without_learners(restored, {0: 3, 1: 0}) == 2
     assert restored.book.versions()[0] == 4 and set(restored.book.versions().values()) == {4, 0}
     version, values = restored.snapshot()[0]
     assert version == 4 and all(np.array_equal(values[k], core.snapshot()[0][1][k]) for k in paths)
@@ -154,7 +155,7 @@ def test_resumed_versions_skip_every_lost_version_number():
     restored.register("learner-0", 0, now=12.0)
     stale = ContributionMeta("learner-0", 0, 0, 3, 4, 4, 512)
     assert restored.offer(stale, enc, now=12.0) is Verdict.STALE_VERSION
-    assert restored.resume_versions({0: 4}) == 0  # nothing newer: unchanged
+    assert resume_without_learners(restored, {0: 4}) == 0  # nothing newer: unchanged
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "data_parallel"])
