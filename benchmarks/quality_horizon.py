@@ -287,19 +287,36 @@ SCALE |= {
     f"{name}{SAME_SPEED}{BATCH}": (SCALE[f"{name}{BATCH}"][0], 4, (0,))
     for name in (f"{DEFAULT_ROW}, K=M, no grace", "synchronous, mixing alpha 0.25")
 }
-# Global batch 256 (64 sequences a learner, 8x the tokens), seed 0: does the gap keep
+# Global batch 256 (64 sequences a learner, 8x the tokens), three seeds: does the gap keep
 # shrinking as a learner's share of the batch grows (+7.2% at 32, +4.3% at 128)?
 BIGGER_BATCH = 256
 BATCH_256 = f", global batch {BIGGER_BATCH}"
-SCALE |= {f"{name}{BATCH_256}": (SCALE[f"{name}{BATCH}"][0], 4, (0,)) for name in BATCHED}
+SCALE |= {f"{name}{BATCH_256}": (SCALE[f"{name}{BATCH}"][0], 4, SEEDS) for name in BATCHED}
 # ... and each at the inner lr that was data-parallel's best at batch 128 (1.341 against 1.359)
 SCALE |= {
     f"{name}, inner lr 0.006{BATCH_256}": ([*SCALE[f"{name}{BATCH}"][0], "inner.lr=0.006"], 4, (0,))
     for name in BATCHED
 }
+# M = 2 and 8 for the default (the global batch split over them, K = 2), seed 0, at batches 32
+# and 256: does the cost of more learners at a fixed token budget, which keeps temporary
+# learners from paying off (issue 16's scavenging), shrink as a learner's share of the batch
+# grows (4 sequences a learner at 32 with M = 8, 32 at 256)?
+SCALE |= {
+    f"{DEFAULT_K2}, no grace, M={m}{batch}": ([*K2, *NO_GRACE], m, (0,))
+    for batch in ("", BATCH_256)
+    for m in (2, 8)
+} | {
+    # ... and synchronous DiLoCo at M = 8: is the cost one of decoupling or of M itself?
+    f"synchronous, M=8{batch}": (["diloco.mode=synchronous"], 8, (0,))
+    for batch in ("", BATCH_256)
+}
+# Global batch 512 (128 sequences a learner, 16x the tokens, about half an hour a run here),
+# seed 0: does the gap keep shrinking (+2.6% at 256, three seeds)?
+BATCH_512 = ", global batch 512"
+SCALE |= {f"{name}{BATCH_512}": (SCALE[f"{name}{BATCH}"][0], 4, (0,)) for name in BATCHED}
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
-BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH}
-GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH, BATCH_256)
+BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: 512}
+GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH, BATCH_256, BATCH_512)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
 # and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
@@ -427,6 +444,96 @@ def plot_batches(runs: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def gaps(runs: list[dict[str, Any]], variant: str, suffix: str) -> list[float]:
+    """`variant` at the global batch `suffix` names against data-parallel at that batch, in %,
+    one figure for each seed both ran."""
+    dp = {r["seed"]: r["heldout_loss"] for r in runs if r["variant"] == f"data_parallel{suffix}"}
+    return [
+        100 * (r["heldout_loss"] / dp[r["seed"]] - 1)
+        for r in runs
+        if r["variant"] == variant + suffix and r["seed"] in dp
+    ]
+
+
+def plot_scaling(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Synchronous DiLoCo's and the default's gap to data-parallel of the same global batch:
+    against the batch (M = 4; the mean over seeds, bars from the lowest to the highest seed),
+    and against M at the smallest and at batch 256 (seed 0). False, and no plot, until every
+    point up to batch 256 has run (larger batches join when they have)."""
+    from matplotlib.figure import Figure
+
+    from ray_diloco.report import save_figure
+
+    default = f"{DEFAULT_K2}, no grace"
+    systems = (("synchronous DiLoCo", "synchronous"), ("decoupled (default)", default))
+    by_batch = {
+        label: {b: g for suffix, b in BATCHES.items() if (g := gaps(runs, name, suffix))}
+        for label, name in systems
+    }
+    ends = {"": GLOBAL_BATCH, BATCH_256: BIGGER_BATCH}
+    sizes = {label: (4, 8) if name == "synchronous" else (2, 4, 8) for label, name in systems}
+    by_m = {
+        (label, suffix): [
+            gaps([r for r in runs if r["seed"] == 0], name if m == 4 else f"{name}, M={m}", suffix)
+            for m in sizes[label]
+        ]
+        for label, name in systems
+        for suffix in ends
+    }
+    needed = {GLOBAL_BATCH, BIG_BATCH, BIGGER_BATCH}
+    if any(needed - set(series) for series in by_batch.values()) or not all(
+        g for series in by_m.values() for g in series
+    ):
+        return False
+    fig = Figure(figsize=(12, 4.6))
+    left, right = fig.subplots(1, 2)
+    colors = dict(zip(by_batch, ("tab:blue", "tab:orange"), strict=True))
+    # Each system's points a little apart, so that the seeds' bars do not hide each other.
+    apart = dict(zip(by_batch, (0.97, 1.03), strict=True))
+    for label, series in by_batch.items():
+        means = [statistics.fmean(g) for g in series.values()]
+        bars = [
+            [m - min(g) for m, g in zip(means, series.values(), strict=True)],
+            [max(g) - m for m, g in zip(means, series.values(), strict=True)],
+        ]
+        seeds = "/".join(str(len(g)) for g in series.values())
+        left.errorbar(
+            [b * apart[label] for b in series],
+            means,
+            color=colors[label],
+            yerr=bars,
+            marker="o",
+            capsize=4,
+            label=f"{label} (seeds {seeds})",
+        )
+    batches = sorted({b for series in by_batch.values() for b in series})
+    left.set_xscale("log", base=2)
+    left.set_xticks(batches, [str(b) for b in batches])
+    left.set_xlabel("global batch (sequences a step; 4 learners share it)")
+    left.set_title("gap to data-parallel against the batch, M = 4", fontsize=10)
+    for (label, suffix), series in by_m.items():
+        style = "-" if suffix else "--"
+        right.plot(
+            sizes[label],
+            [g[0] for g in series],
+            style,
+            color=colors[label],
+            marker="o",
+            label=f"{label}, global batch {ends[suffix]}",
+        )
+    right.set_xscale("log", base=2)
+    right.set_xticks([2, 4, 8], ["2", "4", "8"])
+    right.set_xlabel("learners M (sharing the global batch)")
+    right.set_title("gap to data-parallel against M, seed 0", fontsize=10)
+    for ax in (left, right):
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_ylabel("held-out loss above data-parallel's (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=110)
+    return True
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per variant: mean held-out loss over its seeds, spread (max - min), against
     data-parallel's and synchronous DiLoCo's means (of the same width or batch for SCALE's
@@ -542,6 +649,8 @@ def main() -> None:
     plot_loss_curves(curves, args.out / f"{name}.png", zoom_from=2 / 3)
     if not plot_batches(runs, args.out / f"{name}-batch.png"):
         print(f"no {name}-batch.png: it needs seed 0 of {', '.join(BATCHED)} at batches 32, 128")
+    if not plot_scaling(runs, args.out / f"{name}-scaling.png"):
+        print(f"no {name}-scaling.png: it needs the M = 2 and 8 rows at batches 32 and 256")
     columns = [
         "variant",
         "learners",
