@@ -7,10 +7,11 @@ smaller model and batch, so that a run has about 104 outer steps per fragment on
 3-layer, 64-wide model on sequences of 32 bytes, a global batch of 32 sequences split over the
 M learners (8 each for M = 4; every other learner 18% slower, all with 10% jitter), 2.56M
 tokens (2,500 inner steps per learner for M = 4). Data-parallel takes the same global batch.
-The `global batch 128` and `global batch 256` rows take 4x and 8x the batch and the tokens,
-at the same steps; they are plotted apart (`quality_horizon-batch.png`).
+The `global batch 128`, `256` and `512` rows take 4x, 8x and 16x the batch and the tokens,
+at the same steps; they are plotted apart (`quality_horizon-batch.png`), and the gap to
+data-parallel against the batch and against M in `quality_horizon-scaling.png`.
 
-    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~4 h)
+    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~10 h)
     python benchmarks/quality_horizon.py --quick    # tiny model, smoke check
 """
 

@@ -31,7 +31,11 @@ def _num(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _pct(x: float) -> str:
+def _pct(x: float | None) -> str:
+    """A relative difference; "-" where there was nothing to compare with (a row whose
+    batch has no synchronous DiLoCo run)."""
+    if x is None:
+        return "-"
     return "0" if x == 0 else f"{100 * x:+.1f}%"
 
 
