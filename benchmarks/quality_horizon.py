@@ -313,10 +313,11 @@ SCALE |= {
 }
 # Global batch 512 (128 sequences a learner, 16x the tokens, about half an hour a run here),
 # seed 0: does the gap keep shrinking (+2.6% at 256, three seeds)?
-BATCH_512 = ", global batch 512"
+BIGGEST_BATCH = 512
+BATCH_512 = f", global batch {BIGGEST_BATCH}"
 SCALE |= {f"{name}{BATCH_512}": (SCALE[f"{name}{BATCH}"][0], 4, (0,)) for name in BATCHED}
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
-BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: 512}
+BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: BIGGEST_BATCH}
 GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH, BATCH_256, BATCH_512)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
 # 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
