@@ -303,7 +303,7 @@ SCALE |= {
 # learners from paying off (issue 16's scavenging), shrink as a learner's share of the batch
 # grows (4 sequences a learner at 32 with M = 8, 32 at 256)?
 SCALE |= {
-    f"{DEFAULT_K2}, no grace, M={m}{batch}": ([*K2, *NO_GRACE], m, (0,))
+    f"{BATCHED[2]}, M={m}{batch}": (SCALE[f"{BATCHED[2]}{BATCH}"][0], m, (0,))
     for batch in ("", BATCH_256)
     for m in (2, 8)
 } | {
@@ -466,18 +466,17 @@ def plot_scaling(runs: list[dict[str, Any]], path: Path) -> bool:
 
     from ray_diloco.report import save_figure
 
-    default = f"{DEFAULT_K2}, no grace"
-    systems = (("synchronous DiLoCo", "synchronous"), ("decoupled (default)", default))
+    systems = (("synchronous DiLoCo", BATCHED[1]), ("decoupled (default)", BATCHED[2]))
     by_batch = {
         label: {b: g for suffix, b in BATCHES.items() if (g := gaps(runs, name, suffix))}
         for label, name in systems
     }
-    ends = {"": GLOBAL_BATCH, BATCH_256: BIGGER_BATCH}
+    ends = {suffix: BATCHES[suffix] for suffix in ("", BATCH_256)}
+    firsts = [r for r in runs if r["seed"] == 0]
     sizes = {label: (4, 8) if name == "synchronous" else (2, 4, 8) for label, name in systems}
     by_m = {
         (label, suffix): [
-            gaps([r for r in runs if r["seed"] == 0], name if m == 4 else f"{name}, M={m}", suffix)
-            for m in sizes[label]
+            gaps(firsts, name if m == 4 else f"{name}, M={m}", suffix) for m in sizes[label]
         ]
         for label, name in systems
         for suffix in ends
