@@ -229,9 +229,10 @@ class Metrics:
     def learner_up(self, learner: str, up: bool) -> None:
         self._do("learner_up", "set", 1.0 if up else 0.0, {"learner": learner})
 
-    def goodput(self, goodput: float, uptime: float) -> None:
+    def goodput(self, goodput: float, uptime: float | None) -> None:
         self._do("goodput", "set", goodput, None)
-        self._do("uptime", "set", uptime, None)
+        if uptime is not None:  # None until the first round: no sample beats a false 0
+            self._do("uptime", "set", uptime, None)
 
     def observe_event(self, event: Event) -> None:
         """Restarts, detection and recovery seconds by failure kind, from a tape event (the

@@ -8,6 +8,7 @@ without pyplot, so drawing touches no global state and needs no display.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -194,7 +195,9 @@ def goodput(rec: RunRecord) -> Figure:
     else:
         ts = [p["t"] for p in pts]
         ax.plot(ts, [p["goodput"] for p in pts], color="#4c9f50", label="goodput (run so far)")
-        ax.plot(ts, [p["uptime"] for p in pts], color="#1f4e79", label="uptime (run so far)")
+        # Before the first round uptime is not measured yet (None): a gap, not a drop to 0.
+        up = [math.nan if p.get("uptime") is None else p["uptime"] for p in pts]
+        ax.plot(ts, up, color="#1f4e79", label="uptime (run so far)")
     handles, _ = ax.get_legend_handles_labels()
     handles += _event_lines(ax, rec)
     _outside_legend(ax, handles)

@@ -17,10 +17,16 @@ a live run, a replayed tape and the simulator. Definitions, precisely:
   [a, b), the final window closed at end_t). uptime = length of up windows / (end_t - start),
   so a final partial window counts pro-rata. start is the first round closed at or after the
   first `RunStarted.t` (else 0): before it there is no global model being trained to stall
-  (booting and compiling are charged to goodput, not to uptime). No round at all: uptime 0.
+  (booting and compiling are charged to goodput, not to uptime). No round at all: uptime 0
+  for a run that is over, None (not measured yet) while it is live: a live run that is still
+  booting has not stalled, and a 0 there read as an outage on the progress line.
   While a run is live (`live=True`) its last window is still open: without a round in it yet
   it is left out, not counted down, because a round reaches the tape only once a learner has
-  received its publication, a second or more after it closed.
+  received its publication, a second or more after it closed. So is the last window of a run
+  whose tape says it finished (`RunFinished` after its last `RunStarted`): after the last
+  round the learners only hand in their final work and stop, which is no stall (it read
+  0.984 for a run without a fault); a stall that ended the run still shows in every window
+  but its last.
 
 Events after `end_t` are ignored. Events may come in any order; ties keep tape order.
 """
@@ -42,6 +48,7 @@ from ray_diloco.control.events import (
     LearnerState,
     LearnerStateChanged,
     RoundClosed,
+    RunFinished,
     RunStarted,
     WorkLost,
 )
@@ -73,7 +80,7 @@ class RecoveryTimes:
 @dataclass(frozen=True)
 class GoodputReport:
     goodput: float
-    uptime: float
+    uptime: float | None  # None: a live run with no round yet
     allocated_s: float
     productive_s: float
     num_failures: int
@@ -124,6 +131,7 @@ def compute_goodput(
     pending: dict[str, str] = {}  # learner -> kind of the failure it is recovering from
     rounds: list[float] = []
     run_start: float | None = None
+    finished = False
     num_failures = 0
     for e in evs:
         learner = getattr(e, "learner", None)
@@ -149,14 +157,21 @@ def compute_goodput(
             for tl in lines.values():
                 tl.change(e.t, LearnerState.STARTING)
             run_start = e.t if run_start is None else run_start
+            finished = False
+        elif isinstance(e, RunFinished):
+            finished = True
     breakdown = {name: tl.close(end_t) for name, tl in sorted(lines.items())}
     start = 0.0 if run_start is None else run_start
-    first_round = min((t for t in rounds if t >= start), default=end_t)
+    first_round = min((t for t in rounds if t >= start), default=None)
     allocated = sum(b.allocated_s for b in breakdown.values())
     productive = sum(b.productive_s for b in breakdown.values())
     return GoodputReport(
         goodput=productive / allocated if allocated > 0 else 0.0,
-        uptime=uptime(rounds, first_round, end_t, uptime_window_s, open_end=live),
+        uptime=(
+            (None if live else 0.0)
+            if first_round is None
+            else uptime(rounds, first_round, end_t, uptime_window_s, open_end=live or finished)
+        ),
         allocated_s=allocated,
         productive_s=productive,
         num_failures=num_failures,
@@ -173,7 +188,8 @@ def uptime(
     round_times: Iterable[float], start: float, end: float, window_s: float, open_end: bool = False
 ) -> float:
     """Fraction of [start, end] in fixed windows of `window_s` that saw a round close; with
-    `open_end`, a last window without a round is left out (it may still see one)."""
+    `open_end`, a last window without a round is left out (it may still see one, or the run
+    ended in it)."""
     span = end - start
     if span <= 0:
         return 0.0

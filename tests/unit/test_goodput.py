@@ -12,6 +12,7 @@ from ray_diloco.control.events import (
     LearnerState,
     LearnerStateChanged,
     RoundClosed,
+    RunFinished,
     RunStarted,
     WorkLost,
 )
@@ -144,6 +145,30 @@ def test_uptime_starts_at_the_first_round_of_the_run():
     rep = compute_goodput(evs, end_t=40.0, uptime_window_s=10.0)
     assert rep.uptime == pytest.approx(10.0 / 15.0)
     assert compute_goodput([RunStarted(0.0, "d")], end_t=40.0, uptime_window_s=10.0).uptime == 0
+
+
+def test_a_live_run_without_a_round_yet_has_no_uptime_not_zero():
+    # Booting and compiling (all learners starting, no round on the tape): uptime is not
+    # measured yet, so the live progress line shows none instead of an outage; the same tape
+    # for a run that is over is a run that never advanced (0).
+    evs = [RunStarted(0.0, "d"), change(0.0, S.STARTING), change(12.0, S.COMPILING)]
+    assert compute_goodput(evs, end_t=18.0, uptime_window_s=10.0, live=True).uptime is None
+    assert compute_goodput(evs, end_t=18.0, uptime_window_s=10.0).uptime == 0.0
+    # The first round to reach the tape starts the measure.
+    live = compute_goodput([*evs, *rounds(17.0)], end_t=18.0, uptime_window_s=10.0, live=True)
+    assert live.uptime == pytest.approx(1.0)
+
+
+def test_the_window_a_run_finished_in_is_no_stall():
+    # Rounds every 3 s until 89 s; the learners hand in their last work and the run finishes
+    # at 95 s: the partial window [90, 95] has no round and is left out.
+    closed = [RunStarted(0.0, "d"), *rounds(*(float(t) for t in range(0, 90, 3)))]
+    over = compute_goodput([*closed, RunFinished(95.0, 1_000, "budget")], 95.0, 10.0)
+    assert over.uptime == pytest.approx(1.0)
+    assert compute_goodput(closed, 95.0, 10.0).uptime == pytest.approx(90.0 / 95.0)
+    # A resumed session (a RunStarted after the RunFinished) is a run going on again.
+    again = [*closed, RunFinished(95.0, 1_000, "budget"), RunStarted(95.0, "d")]
+    assert compute_goodput(again, 105.0, 10.0).uptime == pytest.approx(90.0 / 105.0)
 
 
 def test_a_resumed_run_starts_every_learner_anew():

@@ -137,6 +137,8 @@ def test_progress_line_shows_goodput_uptime_restarts_and_recovery():
     assert "tokens 120k/1M" in line and "goodput 0.812" in line and "uptime 1.000" in line
     assert "restarts b:2" in line and "a:0" not in line
     assert "recovered in [kill_host:6.2s]" in line and "straggler" not in line
+    # Before the first round the supervisor has no uptime yet (None): none shown, not 0.
+    assert "uptime" not in progress_line({**point, "rounds": 0, "uptime": None}, 1_000_000)
 
 
 def _text(renderable: Any) -> str:

@@ -70,7 +70,7 @@ def make_run(run_dir: Path, finished: bool) -> None:
             "t": float(t),
             "tokens": 1_000 * t,
             "goodput": t / 40,
-            "uptime": 1.0 if t > 7 else 0.0,
+            "uptime": 1.0 if t > 7 else None,  # none before the first round (7 s)
             "bytes_up": {"us-0": 500 * t, "eu-0": 400 * t},
             "bytes_down": {"us-0": 900 * t, "eu-0": 900 * t},
             "learners": {
