@@ -118,6 +118,7 @@ VARIANTS: dict[str, list[str]] = {
     DEFAULT_K2: K2,
     f"{DEFAULT_K2}, no grace": [*K2, *NO_GRACE],
     f"{DEFAULT_K2}, mean merge": [*K2, "diloco.merge=mean"],
+    f"{DEFAULT_K2}, no grace, mean merge": [*K2, *NO_GRACE, "diloco.merge=mean"],
 }
 
 
