@@ -318,6 +318,10 @@ SCALE |= {
 BIGGEST_BATCH = 512
 BATCH_512 = f", global batch {BIGGEST_BATCH}"
 SCALE |= {f"{name}{BATCH_512}": (SCALE[f"{name}{BATCH}"][0], 4, SEEDS) for name in BATCHED}
+# ... where the default fell 1.0% behind synchronous DiLoCo (level at 256): is it the rounds
+# of two learners? The default with rounds of every learner (K = M), seed 0.
+K_M = f"{DEFAULT_ROW}, int4 both ways, K=M, no grace"
+SCALE[f"{K_M}{BATCH_512}"] = (SCALE[f"{K_M}{BATCH}"][0], 4, (0,))
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: BIGGEST_BATCH}
 GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH, BATCH_256, BATCH_512)
