@@ -11,7 +11,7 @@ The `global batch 128`, `256` and `512` rows take 4x, 8x and 16x the batch and t
 at the same steps; they are plotted apart (`quality_horizon-batch.png`), and the gap to
 data-parallel against the batch and against M in `quality_horizon-scaling.png`.
 
-    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~10 h)
+    python benchmarks/quality_horizon.py --jobs 2   # every variant, seeds, sweep (~13 h)
     python benchmarks/quality_horizon.py --quick    # tiny model, smoke check
 """
 
@@ -254,6 +254,8 @@ SCALE |= {
 BIG_BATCH = 128
 BATCH = f", global batch {BIG_BATCH}"
 BATCHED = ("data_parallel", "synchronous", f"{DEFAULT_K2}, no grace")
+# The default with rounds of every learner (K = M) instead of two.
+K_M = f"{DEFAULT_ROW}, int4 both ways, K=M, no grace"
 SCALE |= {f"{name}{BATCH}": ((VARIANTS | DEFAULT_CHECKS)[name][0], 4, SEEDS) for name in BATCHED}
 SCALE |= (
     {
@@ -272,7 +274,7 @@ SCALE |= (
     | {
         # What of decoupling costs the default its 1.4% against synchronous DiLoCo at this batch:
         # rounds of every learner instead of two, and synchronous DiLoCo with the mix.
-        f"{DEFAULT_ROW}, int4 both ways, K=M, no grace{BATCH}": (
+        f"{K_M}{BATCH}": (
             [*K2, *NO_GRACE, "diloco.quorum_min=4"],
             4,
             (0,),
@@ -320,7 +322,6 @@ BATCH_512 = f", global batch {BIGGEST_BATCH}"
 SCALE |= {f"{name}{BATCH_512}": (SCALE[f"{name}{BATCH}"][0], 4, SEEDS) for name in BATCHED}
 # ... where the default fell 1.0% behind synchronous DiLoCo (level at 256): is it the rounds
 # of two learners? The default with rounds of every learner (K = M), seed 0.
-K_M = f"{DEFAULT_ROW}, int4 both ways, K=M, no grace"
 SCALE[f"{K_M}{BATCH_512}"] = (SCALE[f"{K_M}{BATCH}"][0], 4, (0,))
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: BIGGEST_BATCH}
