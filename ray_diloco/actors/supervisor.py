@@ -285,11 +285,12 @@ class Supervisor(MembershipDuty):
         if now - self._exported_at >= self.cfg.metrics.log_every_s:
             self._export_metrics(now)
 
-    def _export_metrics(self, now: float) -> None:
-        """Goodput and uptime so far, and which learners are up, as Prometheus gauges."""
+    def _export_metrics(self, now: float, live: bool = True) -> None:
+        """Goodput and uptime so far (`live`) or of the whole run, and which learners are up,
+        as Prometheus gauges."""
         self._exported_at = now
         window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
-        report = compute_goodput(self.tape.events, now, window, live=True)
+        report = compute_goodput(self.tape.events, now, window, live=live)
         self.metrics.goodput(report.goodput, report.uptime)
         for name, watch in self.control.watches.items():
             self.metrics.learner_up(name, watch.state in _UP)
@@ -417,6 +418,9 @@ class Supervisor(MembershipDuty):
         self._update_snapshot()
         tokens = int((self.sync.status or {}).get("tokens", 0))
         self.tape.append(RunFinished(now, tokens, reason))
+        # The gauges end on the figures the summary prints, not on the last periodic export
+        # (up to metrics.log_every_s old; none at all in a run shorter than that).
+        self._export_metrics(now, live=False)
         self._final = finals
         self._end_t = now
         self._done.set()
