@@ -192,6 +192,13 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         for n in (20, 60)
     },
     "synchronous, mixing alpha 0.25": (["diloco.mode=synchronous", *MIX], 4, SEEDS),
+    # ... applying a new version one step after the offer instead of two (tau = 1): what a
+    # decoupled learner in lock-step with the others does (tests/unit/test_simulate.py).
+    "synchronous, mixing alpha 0.25, overlap 1": (
+        ["diloco.mode=synchronous", *MIX, "diloco.overlap_steps=1"],
+        4,
+        SEEDS,
+    ),
     "synchronous, outer lr 0.5, mixing alpha 0.25": (
         ["diloco.mode=synchronous", "outer.lr=0.5", *MIX],
         4,
@@ -219,6 +226,13 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     f"{DEFAULT_K2}, mean merge": ([*K2, "diloco.merge=mean"], 4, (0,)),
     # ... and the merge target for the default itself (K = 2 without the window).
     f"{DEFAULT_K2}, no grace, mean merge": ([*K2, *NO_GRACE, "diloco.merge=mean"], 4, SEEDS),
+    # A new version applied no earlier than tau steps after the learner's offer, as
+    # synchronous DiLoCo does (tau = 1 cost it 4%), instead of on arrival.
+    f"{DEFAULT_K2}, no grace, apply at overlap": (
+        [*K2, *NO_GRACE, "diloco.apply_at=overlap"],
+        4,
+        SEEDS,
+    ),
 }
 # The model's width (d_model; d_ff 4x), seed 0: is the gap to data-parallel, which M = 1 does
 # not have (+0.4%), a cost of splitting the batch that shrinks as the model grows, as DiLoCo's
@@ -291,6 +305,21 @@ SAME_SPEED = ", same speed"
 SCALE |= {
     f"{name}{SAME_SPEED}{BATCH}": (SCALE[f"{name}{BATCH}"][0], 4, (0,))
     for name in (f"{DEFAULT_ROW}, K=M, no grace", "synchronous, mixing alpha 0.25")
+}
+# ... and synchronous DiLoCo with the mix at tau = 1, which a decoupled learner in lock-step
+# with the others is (tests/unit/test_simulate.py): is that what the same-speed rows measure?
+SCALE[f"synchronous, mixing alpha 0.25, overlap 1{BATCH}"] = (
+    ["diloco.mode=synchronous", *MIX, "diloco.overlap_steps=1"],
+    4,
+    (0,),
+)
+SCALE |= {
+    f"{name}, apply at overlap{BATCH}": (
+        [*SCALE[f"{name}{BATCH}"][0], "diloco.apply_at=overlap"],
+        4,
+        (0,),
+    )
+    for name in (BATCHED[2], f"{DEFAULT_ROW}, K=M, no grace{SAME_SPEED}")
 }
 # Global batch 256 (64 sequences a learner, 8x the tokens), three seeds: does the gap keep
 # shrinking as a learner's share of the batch grows (+7.2% at 32, +4.3% at 128)?

@@ -261,15 +261,17 @@ class LearnerCore:
             self._hold(p, msg.version, downstream.resolve(values, msg.encoded, self.full_dtype))
 
     def apply_received(self) -> list[int]:
-        """At a step boundary, mix in the held fragments that are due. Decoupled: all of them.
+        """At a step boundary, mix in the held fragments that are due. Decoupled: all of them
+        (`apply_at: arrival`), or those offered at least tau steps ago (`overlap`).
         Synchronous: a fragment offered at step t is applied exactly at t + tau (Streaming
         DiLoCo), which also makes the run independent of arrival timing."""
-        tau = self.cfg.diloco.overlap_steps
-        synchronous = self.cfg.diloco.mode == "synchronous"
+        d = self.cfg.diloco
+        tau = d.overlap_steps
+        hold = d.mode == "synchronous" or d.apply_at == "overlap"
         applied = []
         for p, (version, values) in sorted(self.inbox.items()):
             offered = self.outstanding.get(p)
-            if synchronous and offered is not None and self.step - offered[0] < tau:
+            if hold and offered is not None and self.step - offered[0] < tau:
                 continue
             del self.inbox[p]
             if version > self.base_version[p]:

@@ -37,6 +37,14 @@ class DilocoConfig(_Frozen):
     # the last offer), and counted in the next offer; with K = 1 and publish_to all, the
     # overwrite discarded half of all learner steps (benchmarks/quality_horizon.py).
     keep_unsent_work: bool = False
+    # When a decoupled learner applies a new version of a fragment it offered. "arrival": at
+    # the first step boundary after it arrives (algorithm.md section 4). "overlap": no earlier
+    # than overlap_steps after its offer, as synchronous mode does (Streaming DiLoCo), but
+    # without waiting for it. A learner in lock-step with the others applies one step after
+    # its offer on arrival, which is synchronous DiLoCo with tau = 1, and that cost it 4%
+    # against tau = 2 at the quality horizon; holding did not help the default there
+    # (README, "When a learner applies a new version").
+    apply_at: Literal["arrival", "overlap"] = "arrival"
     late_policy: Literal["next_round", "drop"] = "next_round"
     # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).
     # "contributors": only the learners whose contributions the round merged (one version back

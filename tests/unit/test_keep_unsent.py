@@ -1,7 +1,8 @@
-"""`diloco.keep_unsent_work`: a learner carries its unsent work on a fragment (the steps since
-it last offered it) onto a new version instead of losing it to the overwrite, or to the mix
-with the new version that keeps `diloco.mixing_alpha` of the learner's values
-(LearnerCore.apply_received)."""
+"""What a learner does with a new version of a fragment (LearnerCore.apply_received).
+`diloco.keep_unsent_work`: it carries its unsent work on the fragment (the steps since it last
+offered it) onto the new version instead of losing it to the overwrite, or to the mix with the
+new version that keeps `diloco.mixing_alpha` of the learner's values. `diloco.apply_at`: it
+applies the version on arrival, or no earlier than tau steps after its offer."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def setup() -> Setup:
     return Setup.build(load_config(None, [*TINY, "diloco.keep_unsent_work=true"]))
 
 
-def _learner(setup: Setup, keep: bool) -> LearnerCore:
-    cfg = load_config(None, [*TINY, f"diloco.keep_unsent_work={keep}"])
+def _learner(setup: Setup, keep: bool, *extra: str) -> LearnerCore:
+    cfg = load_config(None, [*TINY, f"diloco.keep_unsent_work={keep}", *extra])
     snapshot = {
         p: (0, {k: np.asarray(setup.init[k], np.float32) for k in paths})
         for p, paths in enumerate(setup.plan.fragments)
@@ -76,3 +77,24 @@ def test_with_no_offer_since_the_base_all_the_work_moves(setup: Setup):
     for k, b in before.items():
         np.testing.assert_allclose(np.asarray(core.params[k]), g[k] + (b - base[k]), atol=1e-6)
     assert core.steps_since[p] == 2
+
+
+@pytest.mark.parametrize("apply_at, held", [("arrival", 0), ("overlap", 2)])
+def test_a_new_version_waits_for_the_overlap_only_when_asked(setup: Setup, apply_at, held):
+    core = _learner(setup, False, f"diloco.apply_at={apply_at}")
+    assert core.cfg.diloco.overlap_steps == 2
+    _train(core, 4)  # fragment 0 is offered at step 4
+    (meta, _), *_ = core.offers()
+    p = meta.fragment
+    q = next(f for f in range(setup.plan.num_fragments) if f not in core.outstanding)
+    g = {k: v + 0.5 for k, v in core.base_values[p].items()}
+    core.receive(Message(p, 1, None, wire.encode_tree(g, "bfloat16")))  # before the next step
+    for _ in range(held):  # decoupled: held, never waited for (nothing blocks)
+        assert core.apply_received() == [] and core.blocked_on() == []
+        _train(core, 1)
+    assert core.apply_received() == [p]
+    assert core.base_version[p] == 1
+    # A fragment not offered since its base takes a new version at once either way.
+    g = {k: v + 0.5 for k, v in core.base_values[q].items()}
+    core.receive(Message(q, 1, None, wire.encode_tree(g, "bfloat16")))
+    assert core.apply_received() == [q]

@@ -67,6 +67,20 @@ def test_synchronous_rounds_have_every_learner():
     assert max(steps) - min(steps) <= 4  # a barrier every H steps keeps learners together
 
 
+def test_decoupled_in_lock_step_is_synchronous_diloco_with_an_overlap_of_one():
+    # Learners of one speed without jitter and rounds of every learner: a decoupled learner
+    # applies a new version at the first step boundary after it arrives, one step after its
+    # offer here (a round merges and publishes within a step: sync_time_s < step_time_s). That
+    # is synchronous DiLoCo with tau = 1, bit for bit: what decoupling changes is only what
+    # happens when learners drift apart. (At the quality horizon tau = 1 costs synchronous
+    # DiLoCo about 4% against tau = 2: quality_horizon.py's "overlap 1" row.)
+    assert "diloco.overlap_steps=1" in TINY
+    decoupled = run_reference(tiny("diloco.quorum_min=4", "diloco.grace_fraction=0"))
+    synchronous = run_reference(tiny("diloco.mode=synchronous"))
+    assert decoupled["heldout_loss"] == synchronous["heldout_loss"]
+    assert decoupled["rounds"] == synchronous["rounds"] > 0
+
+
 def test_data_parallel_reference_and_bytes():
     s = run_reference(tiny("diloco.mode=data_parallel"))
     assert s["bytes_per_token"] == s["dp_bytes_per_token"] > 0
