@@ -368,7 +368,7 @@ PLOTTED = {
     AS_WRITTEN_K1: "decoupled as written, K = 1 with grace",
     f"{DEFAULT_K2}, no grace": "the default (sqrt step, mix, int4 both ways, K = 2)",
     DEFAULT_K2: "the default with the grace window",
-    f"{DEFAULT_K2}, no grace, mean merge": "the default with the plain mean for RDA",
+    f"{DEFAULT_K2}, no grace, mean merge": "the default with the plain mean, not RDA",
 }
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: BIGGEST_BATCH}
