@@ -233,6 +233,13 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         4,
         SEEDS,
     ),
+    # Stale contributions (based on an older version than the round makes) weighted down,
+    # 1 / (1 + staleness): the slower learners' offers are the stale ones.
+    f"{DEFAULT_K2}, no grace, staleness penalty 1": (
+        [*K2, *NO_GRACE, "diloco.staleness_penalty=1"],
+        4,
+        SEEDS,
+    ),
 }
 # The model's width (d_model; d_ff 4x), seed 0: is the gap to data-parallel, which M = 1 does
 # not have (+0.4%), a cost of splitting the batch that shrinks as the model grows, as DiLoCo's
@@ -321,6 +328,11 @@ SCALE |= {
     )
     for name in (BATCHED[2], f"{DEFAULT_ROW}, K=M, no grace{SAME_SPEED}")
 }
+SCALE[f"{BATCHED[2]}, staleness penalty 1{BATCH}"] = (
+    [*SCALE[f"{BATCHED[2]}{BATCH}"][0], "diloco.staleness_penalty=1"],
+    4,
+    (0,),
+)
 # Global batch 256 (64 sequences a learner, 8x the tokens), three seeds: does the gap keep
 # shrinking as a learner's share of the batch grows (+7.2% at 32, +4.3% at 128)?
 BIGGER_BATCH = 256
