@@ -369,6 +369,12 @@ SCALE[f"{K_M}{BATCH_512}"] = (SCALE[f"{K_M}{BATCH}"][0], 4, (0,))
 SCALE |= {
     f"{BATCHED[2]}{SAME_SPEED}{BATCH_512}": (SCALE[f"{BATCHED[2]}{BATCH}"][0], 4, (0,)),
     f"synchronous, mixing alpha 0.25{BATCH_512}": (["diloco.mode=synchronous", *MIX], 4, (0,)),
+    # ... and is it less with stale contributions (the slower learners') weighted down?
+    f"{BATCHED[2]}, staleness penalty 1{BATCH_512}": (
+        [*SCALE[f"{BATCHED[2]}{BATCH}"][0], "diloco.staleness_penalty=1"],
+        4,
+        (0,),
+    ),
 }
 # The curves of quality_horizon.png and their labels: the baselines, the method as written,
 # and the default with what issue 11 asks of it (the grace window, RDA against the mean).
