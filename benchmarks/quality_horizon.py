@@ -316,7 +316,7 @@ SCALE |= {
 # ... and synchronous DiLoCo with the mix at tau = 1, which a decoupled learner in lock-step
 # with the others is (tests/unit/test_simulate.py): is that what the same-speed rows measure?
 SCALE[f"synchronous, mixing alpha 0.25, overlap 1{BATCH}"] = (
-    ["diloco.mode=synchronous", *MIX, "diloco.overlap_steps=1"],
+    DEFAULT_CHECKS["synchronous, mixing alpha 0.25, overlap 1"][0],
     4,
     (0,),
 )
@@ -328,11 +328,9 @@ SCALE |= {
     )
     for name in (BATCHED[2], f"{DEFAULT_ROW}, K=M, no grace{SAME_SPEED}")
 }
-SCALE[f"{BATCHED[2]}, staleness penalty 1{BATCH}"] = (
-    [*SCALE[f"{BATCHED[2]}{BATCH}"][0], "diloco.staleness_penalty=1"],
-    4,
-    (0,),
-)
+# The default's staleness penalty row, at batches 128 and 512 (seed 0).
+STALENESS = f"{BATCHED[2]}, staleness penalty 1"
+SCALE[f"{STALENESS}{BATCH}"] = (DEFAULT_CHECKS[STALENESS][0], 4, (0,))
 # Global batch 256 (64 sequences a learner, 8x the tokens), three seeds: does the gap keep
 # shrinking as a learner's share of the batch grows (+7.2% at 32, +4.3% at 128)?
 BIGGER_BATCH = 256
@@ -368,13 +366,13 @@ SCALE[f"{K_M}{BATCH_512}"] = (SCALE[f"{K_M}{BATCH}"][0], 4, (0,))
 # synchronous DiLoCo better with the mix there too, as at 128 (1.395 against 1.398)? Seed 0.
 SCALE |= {
     f"{BATCHED[2]}{SAME_SPEED}{BATCH_512}": (SCALE[f"{BATCHED[2]}{BATCH}"][0], 4, (0,)),
-    f"synchronous, mixing alpha 0.25{BATCH_512}": (["diloco.mode=synchronous", *MIX], 4, (0,)),
-    # ... and is it less with stale contributions (the slower learners') weighted down?
-    f"{BATCHED[2]}, staleness penalty 1{BATCH_512}": (
-        [*SCALE[f"{BATCHED[2]}{BATCH}"][0], "diloco.staleness_penalty=1"],
+    f"synchronous, mixing alpha 0.25{BATCH_512}": (
+        DEFAULT_CHECKS["synchronous, mixing alpha 0.25"][0],
         4,
         (0,),
     ),
+    # ... and is it less with stale contributions (the slower learners') weighted down?
+    f"{STALENESS}{BATCH_512}": (DEFAULT_CHECKS[STALENESS][0], 4, (0,)),
 }
 # The curves of quality_horizon.png and their labels: the baselines, the method as written,
 # and the default with what issue 11 asks of it (the grace window, RDA against the mean).
