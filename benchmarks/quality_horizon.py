@@ -372,7 +372,7 @@ SCALE |= {
         (0,),
     ),
     # ... and is it less with stale contributions (the slower learners') weighted down?
-    f"{STALENESS}{BATCH_512}": (DEFAULT_CHECKS[STALENESS][0], 4, (0,)),
+    f"{STALENESS}{BATCH_512}": (DEFAULT_CHECKS[STALENESS][0], 4, SEEDS),
 }
 # The curves of quality_horizon.png and their labels: the baselines, the method as written,
 # and the default with what issue 11 asks of it (the grace window, RDA against the mean).
