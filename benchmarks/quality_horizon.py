@@ -288,6 +288,11 @@ SCALE |= (
         for lr in (0.006, 0.012)
     }
     | {
+        # ... and both DiLoCos at data-parallel's best of these (1.341 against 1.359)
+        f"{name}, inner lr 0.006{BATCH}": ([*SCALE[f"{name}{BATCH}"][0], "inner.lr=0.006"], 4, (0,))
+        for name in BATCHED[1:]
+    }
+    | {
         # synchronous DiLoCo's best outer lr at the smaller batch (1.605 against 1.673 at 0.7)
         f"{name}, outer lr 0.5{BATCH}": ([*SCALE[f"{name}{BATCH}"][0], "outer.lr=0.5"], 4, (0,))
         for name in BATCHED[1:]
