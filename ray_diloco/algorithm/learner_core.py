@@ -275,10 +275,10 @@ class LearnerCore:
                 continue
             del self.inbox[p]
             if version > self.base_version[p]:
-                if self.cfg.diloco.keep_unsent_work:
+                if d.keep_unsent_work:
                     self._carry_over(p, version, values)
                 else:
-                    self._overwrite(p, version, values, alpha=self.cfg.diloco.mixing_alpha)
+                    self._overwrite(p, version, values, alpha=d.mixing_alpha)
                 self.outstanding.pop(p, None)
                 applied.append(p)
         return applied

@@ -42,8 +42,8 @@ class DilocoConfig(_Frozen):
     # than overlap_steps after its offer, as synchronous mode does (Streaming DiLoCo), but
     # without waiting for it. A learner in lock-step with the others applies one step after
     # its offer on arrival, which is synchronous DiLoCo with tau = 1, and that cost it 4%
-    # against tau = 2 at the quality horizon; holding did not help the default there
-    # (README, "When a learner applies a new version").
+    # against tau = 2 at the quality horizon's batch 32 (0.5% at 128); holding did not help
+    # the default there (README, "When a learner applies a new version").
     apply_at: Literal["arrival", "overlap"] = "arrival"
     late_policy: Literal["next_round", "drop"] = "next_round"
     # Who receives a merged fragment. "all": every live learner (algorithm.md section 5).

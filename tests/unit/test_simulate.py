@@ -73,7 +73,8 @@ def test_decoupled_in_lock_step_is_synchronous_diloco_with_an_overlap_of_one():
     # offer here (a round merges and publishes within a step: sync_time_s < step_time_s). That
     # is synchronous DiLoCo with tau = 1, bit for bit: what decoupling changes is only what
     # happens when learners drift apart. (At the quality horizon tau = 1 costs synchronous
-    # DiLoCo about 4% against tau = 2: quality_horizon.py's "overlap 1" row.)
+    # DiLoCo about 4% against tau = 2 at batch 32, 0.5% at 128: quality_horizon.py's
+    # "overlap 1" rows.)
     assert "diloco.overlap_steps=1" in TINY
     decoupled = run_reference(tiny("diloco.quorum_min=4", "diloco.grace_fraction=0"))
     synchronous = run_reference(tiny("diloco.mode=synchronous"))
