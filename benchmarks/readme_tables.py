@@ -289,7 +289,24 @@ def scavenging(data: dict[str, Any]) -> str:
         }
         for r in data["rows"]
     ]
-    return markdown_table(rows, list(rows[0]))
+    whole = [
+        {
+            "system": r["mode"].replace("_", "-"),
+            "sequences per learner": r["batch_per_learner"],
+            "learners": r["learners"],
+            "final loss": _num(r["final_loss"]),
+            "against 4 learners": f"{100 * r['cost_vs_4_learners']:+.1f}%",
+        }
+        for r in data["meta"]["whole_run"]
+    ]
+    return "\n\n".join(
+        [
+            markdown_table(rows, list(rows[0])),
+            "The same budget with the learners there for the whole run (copies of the 4 "
+            "reference learners), at the reference's 32 sequences per learner and at 2:",
+            markdown_table(whole, list(whole[0])),
+        ]
+    )
 
 
 def _params(n: int) -> str:

@@ -9,7 +9,9 @@ global batch over them (faster steps) but re-meshes on every change
 (`elastic.remesh_steps`). Reported: virtual time to a target held-out loss (each system's own
 base-run loss at 80% of the budget, interpolated between evaluations), relative to the base.
 Published (Decoupled DiLoCo): 1.00 / 0.90 / 0.83 / 0.75 / 0.62, data-parallel 1.00 / 1.07 /
-1.09 / 1.02 / 0.80.
+1.09 / 1.02 / 0.80. A second table keeps the extra learners for the whole run (4 against 8, at
+32 and at 2 sequences per learner) to tell the model's critical batch from the merge's cost of
+more learners; `--ray` adds the Ray setting's base and +100% runs, in-process and on Ray.
 
     python benchmarks/scavenging.py [--quick] [--jobs 2] [--ray]
 """
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from ray_diloco.config import RunConfig, load_config
+from ray_diloco.config import RunConfig, build_config, load_config
 from ray_diloco.report import save_figure
 
 from common import NO_GRACE, QUICK_MODEL, REFERENCE, parser, write_results
@@ -45,25 +47,47 @@ QUICK = [*QUICK_MODEL, "token_budget=120000", "chaos.restart_s=0.05", "elastic.r
 
 def config(mode: str, extra: int, base_s: float, quick: bool) -> RunConfig:
     base = load_config(REFERENCE, [*(QUICK if quick else BUDGET), f"diloco.mode={mode}"])
-    template = base.learners[0].model_dump(mode="json")
-    joins = [
-        {"at_s": WINDOW[0] * base_s, "join": template | {"name": f"temp-{i}"}} for i in range(extra)
-    ]
-    leaves = [{"at_s": WINDOW[1] * base_s, "leave": f"temp-{i}"} for i in range(extra)]
     tree = base.model_dump(mode="json")
-    tree["elastic"]["schedule"] = joins + leaves
+    tree["elastic"]["schedule"] = window(base.learners[0].model_dump(mode="json"), extra, base_s)
     tree["run_dir"] = f"/tmp/scavenging/{mode}-{extra}"
-    from ray_diloco.config import build_config
-
     return build_config(tree, f"scavenging {mode} +{extra}")
 
 
-def run(mode: str, extra: int, base_s: float, quick: bool) -> dict[str, Any]:
+def window(template: dict[str, Any], extra: int, base_s: float) -> list[dict[str, Any]]:
+    """`elastic.schedule`: `extra` copies of `template` join at WINDOW[0] and leave at
+    WINDOW[1] of a base run lasting `base_s`."""
+    joins = [
+        {"at_s": WINDOW[0] * base_s, "join": template | {"name": f"temp-{i}"}} for i in range(extra)
+    ]
+    return joins + [{"at_s": WINDOW[1] * base_s, "leave": f"temp-{i}"} for i in range(extra)]
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
     from ray_diloco.sim.simulate import run_reference
 
     t0 = time.perf_counter()
-    summary = run_reference(config(mode, extra, base_s, quick), num_evals=NUM_EVALS)
+    summary = run_reference(cfg, num_evals=NUM_EVALS)
     return summary | {"wall_s": time.perf_counter() - t0}
+
+
+# Learners for the whole run instead of a window: the 4 reference learners against 8 (each
+# twice), at the reference's 32 sequences per learner and at 2, same budget. Data-parallel's
+# cost of the doubled global batch says how far the model is past its critical batch at that
+# batch; decoupled's cost beyond it is the merge's, of twice the learners.
+WHOLE_RUN = [(batch, learners) for batch in (32, 2) for learners in (4, 8)]
+
+
+def whole_run_config(mode: str, batch: int, learners: int, quick: bool) -> RunConfig:
+    base = load_config(REFERENCE, [*(QUICK if quick else BUDGET), f"diloco.mode={mode}"])
+    tree = base.model_dump(mode="json")
+    ref = tree["learners"]
+    copies = [(ref[i % len(ref)], i // len(ref)) for i in range(learners)]
+    # the first round of copies keeps the reference names (a run equal to the +0% one)
+    tree["learners"] = [
+        r | {"name": r["name"] + (f"{n + 1}" if n else ""), "batch_size": batch} for r, n in copies
+    ]
+    tree["run_dir"] = f"/tmp/scavenging/whole-{mode}-{batch}x{learners}"
+    return build_config(tree, f"scavenging {mode}, {learners} learners of batch {batch}")
 
 
 def time_to_loss(evals: list[dict[str, float]], target: float) -> float | None:
@@ -138,61 +162,99 @@ RAY_RUN = [
 ]
 
 
-def ray_run(extra: int, base_s: float) -> dict[str, Any]:
-    """One run on an embedded local Ray: `extra` temporary learners join at 25% and leave at
-    75% of the base run's wall time (a real join: boot, placement, registration)."""
-    from ray_diloco.config import build_config
+def ray_config(extra: int, base_s: float, where: str) -> RunConfig:
+    """The Ray run's setting: `extra` temporary learners join at 25% and leave at 75% of a
+    base run lasting `base_s`; `where` names the run directory."""
+    base = load_config(RAY_CONFIG, [*RAY_RUN, f"run_dir=/tmp/scavenging/{where}-{extra}"])
+    tree = base.model_dump(mode="json")
+    learner = {"batch_size": 8, "jitter": 0.1}
+    tree["learners"] = [learner | {"name": f"base-{i}"} for i in range(4)]
+    tree["elastic"]["schedule"] = window(learner, extra, base_s)
+    return build_config(tree, f"scavenging on Ray +{extra}")
+
+
+def ray_runs() -> dict[int, dict[str, Any]]:
+    """The base run and +100% on an embedded local Ray (a real join: boot, placement,
+    registration), the window on the base run's wall time."""
     from ray_diloco.driver import run_training
 
-    base = load_config(RAY_CONFIG, [*RAY_RUN, f"run_dir=/tmp/scavenging/ray-{extra}"])
-    tree = base.model_dump(mode="json")
-    tree["learners"] = [{"name": f"base-{i}", "batch_size": 8, "jitter": 0.1} for i in range(4)]
-    temp = {"batch_size": 8, "jitter": 0.1}
-    tree["elastic"]["schedule"] = [
-        {"at_s": WINDOW[0] * base_s, "join": temp | {"name": f"temp-{i}"}} for i in range(extra)
-    ] + [{"at_s": WINDOW[1] * base_s, "leave": f"temp-{i}"} for i in range(extra)]
-    return run_training(build_config(tree, f"scavenging on Ray +{extra}"))
+    base = run_training(ray_config(0, 0.0, "ray"))
+    return {0: base, 100: run_training(ray_config(4, base["wall_time_s"], "ray"))}
 
 
-def ray_rows() -> list[dict[str, Any]]:
-    base = ray_run(0, 0.0)
-    # the run clock starts before the learners boot: scale the window on training time
-    scaled = ray_run(4, base["wall_time_s"])
+def in_process_ray_setting() -> dict[int, dict[str, Any]]:
+    """The same two runs in-process on the virtual clock: what the Ray run's setting gives
+    without 2 cores shared by 8 learners, a synchronizer and boots."""
+    base = run(ray_config(0, 0.0, "ray-in-process"))
+    return {0: base, 100: run(ray_config(4, base["virtual_time_s"], "ray-in-process"))}
+
+
+def rows_for(
+    system: str, published: dict[int, float], runs: dict[int, dict[str, Any]], clock: str
+) -> list[dict[str, Any]]:
+    """One system's table rows by % compute added; its target is its +0% run's held-out loss
+    at TARGET_AT of the budget. `clock`: the summary field of the run's duration."""
+    base = runs[0]
     target = loss_at_tokens(base["evals"], TARGET_AT * base["tokens"])
     t_base = time_to_loss(base["evals"], target)
     rows = []
-    for extra, s in ((0, base), (100, scaled)):
+    for extra, s in sorted(runs.items()):
         t = time_to_loss(s["evals"], target)
         rows.append(
             {
-                "mode": "decoupled on Ray",
+                "mode": system,
                 "extra_compute_pct": extra,
-                "temporary_learners": 4 if extra else 0,
+                "temporary_learners": EXTRA[extra],
                 "target_loss": target,
                 "time_to_target_s": t,
                 "relative_time": t / t_base if t is not None and t_base else None,
-                "published": PUBLISHED["decoupled"][extra],
+                "published": published[extra],
                 "final_loss": s["heldout_loss"],
-                "run_time_s": s["wall_time_s"],
-                "ledger_violations": len(s["ledger_violations"]),
+                "run_time_s": s[clock],
+                "ledger_violations": len(s.get("ledger_violations", [])),
             }
         )
     return rows
 
 
+def whole_run_rows(runs: dict[tuple[str, int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "mode": mode,
+            "batch_per_learner": batch,
+            "learners": learners,
+            "final_loss": s["heldout_loss"],
+            "cost_vs_4_learners": s["heldout_loss"] / runs[(mode, batch, 4)]["heldout_loss"] - 1,
+        }
+        for (mode, batch, learners), s in runs.items()
+    ]
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    p.add_argument("--ray", action="store_true", help="also one real Ray run at +100%%")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="also a real Ray run at +100%% and its setting in-process",
+    )
     args = p.parse_args()
     results: dict[tuple[str, int], dict[str, Any]] = {}
-    modes = ("decoupled", "data_parallel")
+    modes = ("data_parallel", "decoupled")
     with ProcessPoolExecutor(args.jobs) as pool:
-        bases = {m: pool.submit(run, m, 0, 0.0, args.quick) for m in modes}
+        bases = {m: pool.submit(run, config(m, 0, 0.0, args.quick)) for m in modes}
+        whole_jobs = {
+            (m, b, n): pool.submit(run, whole_run_config(m, b, n, args.quick))
+            for m in modes
+            for b, n in WHOLE_RUN
+        }
+        twin = pool.submit(in_process_ray_setting) if args.ray else None
         for m in modes:
             results[(m, 0)] = bases[m].result()
         jobs = {
-            (m, extra): pool.submit(run, m, n, results[(m, 0)]["virtual_time_s"], args.quick)
+            (m, extra): pool.submit(
+                run, config(m, n, results[(m, 0)]["virtual_time_s"], args.quick)
+            )
             for m in modes
             for extra, n in EXTRA.items()
             if n
@@ -200,28 +262,26 @@ def main() -> None:
         for key, job in jobs.items():
             results[key] = job.result()
             print(f"{key[0]:13s} +{key[1]:3d}%  done ({results[key]['wall_s']:.0f} s)", flush=True)
-    rows = []
-    for (mode, extra), s in sorted(results.items()):
-        base = results[(mode, 0)]
-        target = loss_at_tokens(base["evals"], TARGET_AT * base["tokens"])
-        t = time_to_loss(s["evals"], target)
-        t_base = time_to_loss(base["evals"], target)
-        rows.append(
-            {
-                "mode": mode,
-                "extra_compute_pct": extra,
-                "temporary_learners": EXTRA[extra],
-                "target_loss": target,
-                "time_to_target_s": t,
-                "relative_time": t / t_base if t is not None and t_base else None,
-                "published": PUBLISHED[mode][extra],
-                "final_loss": s["heldout_loss"],
-                "run_time_s": s["virtual_time_s"],  # virtual seconds (wall on Ray)
-                "ledger_violations": len(s.get("ledger_violations", [])),
-            }
-        )
+        whole = {key: job.result() for key, job in whole_jobs.items()}
+        rows = [
+            row
+            for m in modes
+            for row in rows_for(
+                m,
+                PUBLISHED[m],
+                {x: s for (mode, x), s in results.items() if mode == m},
+                "virtual_time_s",
+            )
+        ]
+        if twin is not None:
+            rows += rows_for(
+                "decoupled, Ray's setting in-process",
+                PUBLISHED["decoupled"],
+                twin.result(),
+                "virtual_time_s",
+            )
     if args.ray:
-        rows += ray_rows()
+        rows += rows_for("decoupled on Ray", PUBLISHED["decoupled"], ray_runs(), "wall_time_s")
     name = "scavenging-quick" if args.quick else "scavenging"
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, rows, args.out, name)
@@ -236,6 +296,7 @@ def main() -> None:
             "window": WINDOW,
             "target_at_budget_fraction": TARGET_AT,
             "num_evals": NUM_EVALS,
+            "whole_run": whole_run_rows(whole),
         },
     )
 
