@@ -303,7 +303,7 @@ def scavenging(data: dict[str, Any]) -> str:
         [
             markdown_table(rows, list(rows[0])),
             "The same budget with the learners there for the whole run (copies of the 4 "
-            "reference learners), at the reference's 32 sequences per learner and at 2:",
+            "reference learners):",
             markdown_table(whole, list(whole[0])),
         ]
     )

@@ -45,10 +45,14 @@ BUDGET = ["token_budget=2000000"]
 QUICK = [*QUICK_MODEL, "token_budget=120000", "chaos.restart_s=0.05", "elastic.remesh_steps=2"]
 
 
-def config(mode: str, extra: int, base_s: float, quick: bool) -> RunConfig:
+def reference_tree(mode: str, quick: bool) -> dict[str, Any]:
     base = load_config(REFERENCE, [*(QUICK if quick else BUDGET), f"diloco.mode={mode}"])
-    tree = base.model_dump(mode="json")
-    tree["elastic"]["schedule"] = window(base.learners[0].model_dump(mode="json"), extra, base_s)
+    return base.model_dump(mode="json")
+
+
+def config(mode: str, extra: int, base_s: float, quick: bool) -> RunConfig:
+    tree = reference_tree(mode, quick)
+    tree["elastic"]["schedule"] = window(tree["learners"][0], extra, base_s)
     tree["run_dir"] = f"/tmp/scavenging/{mode}-{extra}"
     return build_config(tree, f"scavenging {mode} +{extra}")
 
@@ -71,18 +75,22 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 
 # Learners for the whole run instead of a window: the 4 reference learners against 8 (each
-# twice), at the reference's 32 sequences per learner and at 2, same budget. Data-parallel's
-# cost of the doubled global batch says how far the model is past its critical batch at that
-# batch; decoupled's cost beyond it is the merge's, of twice the learners.
-WHOLE_RUN = [(batch, learners) for batch in (32, 2) for learners in (4, 8)]
+# twice), at the reference's own batch (32 sequences per learner) and at 2, same budget.
+# Data-parallel's cost of the doubled global batch says how far the model is past its critical
+# batch at that batch; decoupled's cost beyond it is the merge's, of twice the learners.
+WHOLE_RUN_LEARNERS = (4, 8)
+
+
+def whole_run_batches(quick: bool) -> tuple[int, int]:
+    return reference_tree("decoupled", quick)["learners"][0]["batch_size"], 2
 
 
 def whole_run_config(mode: str, batch: int, learners: int, quick: bool) -> RunConfig:
-    base = load_config(REFERENCE, [*(QUICK if quick else BUDGET), f"diloco.mode={mode}"])
-    tree = base.model_dump(mode="json")
+    tree = reference_tree(mode, quick)
     ref = tree["learners"]
     copies = [(ref[i % len(ref)], i // len(ref)) for i in range(learners)]
-    # the first round of copies keeps the reference names (a run equal to the +0% one)
+    # the first round of copies keeps the reference names: 4 at the reference's batch is the
+    # +0% run itself (main reuses it)
     tree["learners"] = [
         r | {"name": r["name"] + (f"{n + 1}" if n else ""), "batch_size": batch} for r, n in copies
     ]
@@ -173,20 +181,19 @@ def ray_config(extra: int, base_s: float, where: str) -> RunConfig:
     return build_config(tree, f"scavenging on Ray +{extra}")
 
 
-def ray_runs() -> dict[int, dict[str, Any]]:
-    """The base run and +100% on an embedded local Ray (a real join: boot, placement,
-    registration), the window on the base run's wall time."""
-    from ray_diloco.driver import run_training
+def ray_setting_pair(on_ray: bool) -> dict[int, dict[str, Any]]:
+    """The Ray setting's base run and +100%, the window on the base run's duration: on an
+    embedded local Ray (a real join: boot, placement, registration; wall clock), or in-process
+    on the virtual clock (what the setting gives without 2 cores shared by 8 learners, a
+    synchronizer and boots)."""
+    if on_ray:
+        from ray_diloco.driver import run_training as train
 
-    base = run_training(ray_config(0, 0.0, "ray"))
-    return {0: base, 100: run_training(ray_config(4, base["wall_time_s"], "ray"))}
-
-
-def in_process_ray_setting() -> dict[int, dict[str, Any]]:
-    """The same two runs in-process on the virtual clock: what the Ray run's setting gives
-    without 2 cores shared by 8 learners, a synchronizer and boots."""
-    base = run(ray_config(0, 0.0, "ray-in-process"))
-    return {0: base, 100: run(ray_config(4, base["virtual_time_s"], "ray-in-process"))}
+        where, clock = "ray", "wall_time_s"
+    else:
+        train, where, clock = run, "ray-in-process", "virtual_time_s"
+    base = train(ray_config(0, 0.0, where))
+    return {0: base, 100: train(ray_config(EXTRA[100], base[clock], where))}
 
 
 def rows_for(
@@ -243,12 +250,17 @@ def main() -> None:
     modes = ("data_parallel", "decoupled")
     with ProcessPoolExecutor(args.jobs) as pool:
         bases = {m: pool.submit(run, config(m, 0, 0.0, args.quick)) for m in modes}
+        # 4 learners at the reference's batch: the +0% run, reused below
+        ref_batch, small = whole_run_batches(args.quick)
+        whole_keys = [
+            (m, b, n) for m in modes for b in (ref_batch, small) for n in WHOLE_RUN_LEARNERS
+        ]
         whole_jobs = {
-            (m, b, n): pool.submit(run, whole_run_config(m, b, n, args.quick))
-            for m in modes
-            for b, n in WHOLE_RUN
+            key: pool.submit(run, whole_run_config(*key, args.quick))
+            for key in whole_keys
+            if key[1:] != (ref_batch, 4)
         }
-        twin = pool.submit(in_process_ray_setting) if args.ray else None
+        twin = pool.submit(ray_setting_pair, on_ray=False) if args.ray else None
         for m in modes:
             results[(m, 0)] = bases[m].result()
         jobs = {
@@ -262,7 +274,10 @@ def main() -> None:
         for key, job in jobs.items():
             results[key] = job.result()
             print(f"{key[0]:13s} +{key[1]:3d}%  done ({results[key]['wall_s']:.0f} s)", flush=True)
-        whole = {key: job.result() for key, job in whole_jobs.items()}
+        whole = {
+            key: results[(key[0], 0)] if key not in whole_jobs else whole_jobs[key].result()
+            for key in whole_keys
+        }
         rows = [
             row
             for m in modes
@@ -281,7 +296,9 @@ def main() -> None:
                 "virtual_time_s",
             )
     if args.ray:
-        rows += rows_for("decoupled on Ray", PUBLISHED["decoupled"], ray_runs(), "wall_time_s")
+        rows += rows_for(
+            "decoupled on Ray", PUBLISHED["decoupled"], ray_setting_pair(on_ray=True), "wall_time_s"
+        )
     name = "scavenging-quick" if args.quick else "scavenging"
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, rows, args.out, name)
