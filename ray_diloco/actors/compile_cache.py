@@ -7,11 +7,6 @@ instead, which is most of the difference between a restart of seconds and one of
 seconds. Every entry is kept, however small or quick to compile (both thresholds 0). Call it
 before the process compiles anything.
 
-The cache is size-bounded (least recently used entries go past `CACHE_MAX_BYTES`) because JAX
-takes its directory lock only then: without it, a learner host could read an entry that
-another host of the same node was still writing ("Error -5 while decompressing data:
-incomplete or truncated stream" on a first run's boot) and compile that program again.
-
 A cache named by JAX's own `JAX_COMPILATION_CACHE_DIR` in the process's environment wins: one
 cache shared by many runs (a sweep, a test session) compiles each program once. Ray's workers
 inherit their node's environment (an embedded local Ray's is the driver's); on a cluster, set it
@@ -26,10 +21,6 @@ import os
 from ray_diloco.config import RunConfig
 
 logger = logging.getLogger(__name__)
-
-# Far above what a run compiles (the local job's programs take about 1 MB); a bound that
-# the environment sets (`JAX_COMPILATION_CACHE_MAX_SIZE`) is kept.
-CACHE_MAX_BYTES = 8 << 30
 
 
 def use_compilation_cache(cfg: RunConfig) -> str:
@@ -47,7 +38,5 @@ def use_compilation_cache_dir(directory: str) -> str:
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if jax.config.values["jax_compilation_cache_max_size"] == -1:  # default: unbounded, unlocked
-        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     logger.debug("JAX compilation cache in %s", directory)
     return directory
