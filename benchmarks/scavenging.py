@@ -117,8 +117,13 @@ def loss_at_tokens(evals: list[dict[str, float]], tokens: float) -> float:
 def plot(
     results: dict[tuple[str, int], dict[str, Any]], rows: list[dict[str, Any]], out: Path, name: str
 ) -> None:
-    fig = Figure(figsize=(11, 4.2))
+    """Left: the decoupled runs' held-out loss over the part of the run where the levels differ
+    (the window's shading, the target as a line). Right: time to the target against extra
+    compute for every system in `rows`, a run that never reached it marked on the top edge."""
+    fig = Figure(figsize=(12, 4.6))
     ax_loss, ax_rel = fig.subplots(1, 2)
+    base = results[("decoupled", 0)]
+    target = next(r["target_loss"] for r in rows if r["mode"] == "decoupled")
     for extra in EXTRA:
         s = results[("decoupled", extra)]
         ax_loss.plot(
@@ -126,28 +131,60 @@ def plot(
             [e["heldout_loss"] for e in s["evals"]],
             label=f"decoupled +{extra}%",
         )
-    ax_loss.set_xlabel("virtual time (s)")
+    base_s = base["virtual_time_s"]
+    ax_loss.axvspan(*(f * base_s for f in WINDOW), color="grey", alpha=0.12)
+    ax_loss.axhline(target, color="black", linestyle=":", linewidth=1)
+    ax_loss.annotate(
+        f"target {target:.3f}", (0.02, target), xycoords=("axes fraction", "data"), va="bottom"
+    )
+    ax_loss.set_xlim(WINDOW[0] * base_s * 0.6, base_s * 1.02)
+    finals = [results[("decoupled", x)]["heldout_loss"] for x in EXTRA]
+    ax_loss.set_ylim(min(finals) - 0.05, target + 4 * (target - min(finals)))
+    ax_loss.set_xlabel("virtual time (s); shaded: temporary learners present")
     ax_loss.set_ylabel("held-out loss (nats per byte)")
     ax_loss.set_title("decoupled, temporary learners at 25-75% of the base run")
     ax_loss.legend(fontsize=8)
-    for mode, marker in (("decoupled", "o"), ("data_parallel", "s")):
+    top = 1.15
+    styles = {
+        "decoupled": ("o", "C0"),
+        "data_parallel": ("s", "C1"),
+        "decoupled, Ray's setting in-process": ("^", "C2"),
+        "decoupled on Ray": ("D", "C3"),
+    }
+    for shift, (mode, (marker, color)) in enumerate(styles.items()):
         mine = [r for r in rows if r["mode"] == mode]
-        xs = [r["extra_compute_pct"] for r in mine]
-        (line,) = ax_rel.plot(
-            xs, [r["relative_time"] for r in mine], marker=marker, label=f"{mode} (measured)"
-        )
+        if not mine:
+            continue
+        reached = [r for r in mine if r["relative_time"] is not None]
         ax_rel.plot(
-            list(PUBLISHED[mode]),
-            list(PUBLISHED[mode].values()),
+            [r["extra_compute_pct"] for r in reached],
+            [r["relative_time"] for r in reached],
             marker=marker,
-            linestyle="--",
-            color=line.get_color(),
-            alpha=0.5,
-            label=f"{mode} (published)",
+            color=color,
+            label=f"{mode} (measured)",
         )
+        # nudged sideways so that two systems missing at one level both show
+        missed = [r["extra_compute_pct"] + 5 * shift for r in mine if r["relative_time"] is None]
+        ax_rel.plot(missed, [top] * len(missed), marker=marker, color=color, linestyle="none")
+        if mode in PUBLISHED:
+            ax_rel.plot(
+                list(PUBLISHED[mode]),
+                list(PUBLISHED[mode].values()),
+                marker=marker,
+                linestyle="--",
+                color=color,
+                alpha=0.45,
+                label=f"{mode} (published)",
+            )
+    ax_rel.axhline(top, color="black", linewidth=0.6)
+    ax_rel.annotate(
+        "target never reached", (0.02, top), xycoords=("axes fraction", "data"), va="bottom"
+    )
+    ax_rel.set_ylim(0.55, top + 0.06)
     ax_rel.set_xlabel("extra compute for part of the run (%)")
     ax_rel.set_ylabel("time to target loss / base run's")
-    ax_rel.legend(fontsize=8)
+    ax_rel.set_title("time to each system's target (Ray: wall clock)")
+    ax_rel.legend(fontsize=7, loc="lower left")
     for ax in (ax_loss, ax_rel):
         ax.grid(alpha=0.3)
     save_figure(fig, out / f"{name}.png", dpi=110)
