@@ -20,6 +20,7 @@ from ray_diloco.actors import resources
 from ray_diloco.actors.errors import classify_ray_error
 from ray_diloco.actors.learner import LearnerHost
 from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
+from ray_diloco.control.events import LOOP_ENDED
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class LearnerGroup:
                     st = ray.get(self.hosts[i].status.remote(), timeout=CALL_TIMEOUT_S)
                 except Exception:  # a dead host has stopped, too
                     continue
-                if st["state"] not in ("finished", "dead"):
+                if st["state"] not in LOOP_ENDED:  # (a host that left has stopped too)
                     still.append(i)
             pending = still
             if pending:

@@ -48,6 +48,7 @@ from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.chaos import chaos_schedule
 from ray_diloco.control.degradation import DegradationMonitor
 from ray_diloco.control.events import (
+    LOOP_ENDED,
     ContributionRejected,
     Event,
     FailureKind,
@@ -297,7 +298,7 @@ class Supervisor(MembershipDuty):
 
     def _on_reply(self, name: str, host: int, reply: dict[str, Any], now: float) -> None:
         inc, state = int(reply["incarnation"]), str(reply["state"])
-        if name in self._leaving and state in ("left", "finished", "dead"):
+        if name in self._leaving and state in LOOP_ENDED:
             self._finish_leave(name, now)  # it said goodbye (or died saying it)
         elif state == "dead":
             error = (reply.get("error") or "").strip().splitlines()

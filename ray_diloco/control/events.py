@@ -31,6 +31,10 @@ class LearnerState(enum.StrEnum):
     LEFT = "left"  # left the run on purpose (a request, a drained node, retired): no failure
 
 
+# A host's loop has ended in these (learner.py sets one of them last): it will not step again.
+LOOP_ENDED = frozenset({LearnerState.FINISHED, LearnerState.LEFT, LearnerState.DEAD})
+
+
 class FailureKind(enum.StrEnum):
     """Why a learner stopped; selects the restart budget and whether the group is rebuilt."""
 
