@@ -11,9 +11,10 @@ base-run loss at 80% of the budget, interpolated between evaluations), relative 
 Published (Decoupled DiLoCo): 1.00 / 0.90 / 0.83 / 0.75 / 0.62, data-parallel 1.00 / 1.07 /
 1.09 / 1.02 / 0.80. A second table keeps the extra learners for the whole run (4 against 8, at
 32 and at 2 sequences per learner) to tell the model's critical batch from the merge's cost of
-more learners; `--ray` adds the Ray setting's base and +100% runs, in-process and on Ray.
+more learners; `--ray` adds the Ray setting's base and +100% runs, in-process and on Ray (the
+Ray pair `--ray-repeats` times, 3 by default: its wall-clock schedule varies between runs).
 
-    python benchmarks/scavenging.py [--quick] [--jobs 2] [--ray]
+    python benchmarks/scavenging.py [--quick] [--jobs 2] [--ray [--ray-repeats N]]
 """
 
 from __future__ import annotations
@@ -151,30 +152,37 @@ def plot(
         "decoupled, Ray's setting in-process": ("^", "C2"),
         "decoupled on Ray": ("D", "C3"),
     }
-    for shift, (mode, (marker, color)) in enumerate(styles.items()):
-        mine = [r for r in rows if r["mode"] == mode]
-        if not mine:
-            continue
-        reached = [r for r in mine if r["relative_time"] is not None]
-        ax_rel.plot(
-            [r["extra_compute_pct"] for r in reached],
-            [r["relative_time"] for r in reached],
-            marker=marker,
-            color=color,
-            label=f"{mode} (measured)",
-        )
-        # nudged sideways so that two systems missing at one level both show
-        missed = [r["extra_compute_pct"] + 5 * shift for r in mine if r["relative_time"] is None]
-        ax_rel.plot(missed, [top] * len(missed), marker=marker, color=color, linestyle="none")
-        if mode in PUBLISHED:
+    for shift, (system, (marker, color)) in enumerate(styles.items()):
+        runs = sorted({r["mode"] for r in rows if r["mode"].split(RUN_SUFFIX)[0] == system})
+        for i, mode in enumerate(runs):
+            mine = [r for r in rows if r["mode"] == mode]
+            reached = [r for r in mine if r["relative_time"] is not None]
+            count = f", {len(runs)} runs" if len(runs) > 1 else ""
             ax_rel.plot(
-                list(PUBLISHED[mode]),
-                list(PUBLISHED[mode].values()),
+                [r["extra_compute_pct"] for r in reached],
+                [r["relative_time"] for r in reached],
+                marker=marker,
+                color=color,
+                label=None if i else f"{system} (measured{count})",
+            )
+            # nudged sideways so that two systems missing at one level both show
+            missed = [r["extra_compute_pct"] for r in mine if r["relative_time"] is None]
+            ax_rel.plot(
+                [x + 5 * shift for x in missed],
+                [top] * len(missed),
+                marker=marker,
+                color=color,
+                linestyle="none",
+            )
+        if system in PUBLISHED:
+            ax_rel.plot(
+                list(PUBLISHED[system]),
+                list(PUBLISHED[system].values()),
                 marker=marker,
                 linestyle="--",
                 color=color,
                 alpha=0.45,
-                label=f"{mode} (published)",
+                label=f"{system} (published)",
             )
     ax_rel.axhline(top, color="black", linewidth=0.6)
     ax_rel.annotate(
@@ -194,6 +202,7 @@ def plot(
 # eight learners fit two cores), 4 base learners, +100% = 4 temporary ones; K = 2 without
 # the grace window, as in the 4-learner job files.
 RAY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_train.yaml"
+RUN_SUFFIX = ", run "  # "decoupled on Ray, run 2": one of the repeated Ray pairs
 RAY_RUN = [
     "diloco.mode=decoupled",
     "diloco.quorum_min=2",
@@ -280,7 +289,13 @@ def main() -> None:
     p.add_argument(
         "--ray",
         action="store_true",
-        help="also a real Ray run at +100%% and its setting in-process",
+        help="also real Ray runs at +0%% and +100%% and their setting in-process",
+    )
+    p.add_argument(
+        "--ray-repeats",
+        type=int,
+        default=3,
+        help="how many times the Ray pair runs (its wall-clock schedule varies between runs)",
     )
     args = p.parse_args()
     results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -332,9 +347,12 @@ def main() -> None:
                 twin.result(),
                 "virtual_time_s",
             )
-    if args.ray:
+    for i in range(args.ray_repeats if args.ray else 0):
         rows += rows_for(
-            "decoupled on Ray", PUBLISHED["decoupled"], ray_setting_pair(on_ray=True), "wall_time_s"
+            f"decoupled on Ray{RUN_SUFFIX}{i + 1}",
+            PUBLISHED["decoupled"],
+            ray_setting_pair(on_ray=True),
+            "wall_time_s",
         )
     name = "scavenging-quick" if args.quick else "scavenging"
     args.out.mkdir(parents=True, exist_ok=True)
