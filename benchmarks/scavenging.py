@@ -123,7 +123,6 @@ def plot(
     compute for every system in `rows`, a run that never reached it marked on the top edge."""
     fig = Figure(figsize=(12, 4.6))
     ax_loss, ax_rel = fig.subplots(1, 2)
-    base = results[("decoupled", 0)]
     target = next(r["target_loss"] for r in rows if r["mode"] == "decoupled")
     for extra in EXTRA:
         s = results[("decoupled", extra)]
@@ -132,7 +131,7 @@ def plot(
             [e["heldout_loss"] for e in s["evals"]],
             label=f"decoupled +{extra}%",
         )
-    base_s = base["virtual_time_s"]
+    base_s = results[("decoupled", 0)]["virtual_time_s"]
     ax_loss.axvspan(*(f * base_s for f in WINDOW), color="grey", alpha=0.12)
     ax_loss.axhline(target, color="black", linestyle=":", linewidth=1)
     ax_loss.annotate(
@@ -154,10 +153,10 @@ def plot(
     }
     for shift, (system, (marker, color)) in enumerate(styles.items()):
         runs = sorted({r["mode"] for r in rows if r["mode"].split(RUN_SUFFIX)[0] == system})
+        count = f", {len(runs)} runs" if len(runs) > 1 else ""
         for i, mode in enumerate(runs):
             mine = [r for r in rows if r["mode"] == mode]
             reached = [r for r in mine if r["relative_time"] is not None]
-            count = f", {len(runs)} runs" if len(runs) > 1 else ""
             ax_rel.plot(
                 [r["extra_compute_pct"] for r in reached],
                 [r["relative_time"] for r in reached],
