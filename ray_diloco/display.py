@@ -40,6 +40,7 @@ STATE_STYLES = {
     "restarting": "magenta",
     "gave_up": "bold red",
     "finished": "dim",
+    "left": "dim",
 }
 DOWN_STATES = frozenset({"dead", "restarting", "gave_up"})
 

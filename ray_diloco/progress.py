@@ -7,7 +7,8 @@ to its progress callback (the CLI's live display, `display.py`), and that the ru
 (not since the start, which boot and compile time would drag down for minutes; of the boot,
 with no token yet, only its last poll counts), steps/s per learner since the previous poll.
 Per learner it also remembers since when the learner is in its state and when the
-synchronizer last merged one of its contributions.
+synchronizer last merged one of its contributions. A learner that joins the running job is
+shown from the first poll whose supervisor status names it.
 
 Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `heldout_loss`,
 `rounds`, `contributors` (mean per round), `live`, `goodput`, `uptime`, `restarts` and
@@ -67,9 +68,18 @@ class ProgressTracker:
             "recovery": {kind: r["recovery_s_median"] for kind, r in sup["recovery"].items()},
             "bytes_up": dict(st["bytes_up"]),
             "bytes_down": dict(st["bytes_down"]),
-            "learners": {name: self._learner(name, t, st, sup) for name in self._learners},
+            "learners": {name: self._learner(name, t, st, sup) for name in self._follow(sup)},
             "dashboard_url": self.dashboard_url,
         }
+
+    def _follow(self, sup: Mapping[str, Any]) -> list[str]:
+        """The learners to show: the config's, and every learner that joined the running job
+        since (the supervisor's status names it, with its region), in the order they came."""
+        for name, row in sup.get("learners", {}).items():
+            if name not in self._learners:
+                self._learners[name] = _Learner()
+                self.regions[name] = str(row.get("region", "local"))
+        return list(self._learners)
 
     def _token_rate(self, t: float, tokens: int) -> float:
         self._tokens.append((t, tokens))

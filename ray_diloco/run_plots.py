@@ -41,6 +41,7 @@ STATE_COLORS = {
     "dead": ("#d1495b", "down"),
     "gave_up": ("#3b3b3b", "gave up"),
     "finished": ("#ececec", "finished"),
+    "left": ("#dfe6ee", "left the run"),
 }
 FAULT, FAILURE, RECOVERY = "#d1495b", "#e07b39", "#2e7d32"
 

@@ -21,6 +21,7 @@ from typing import Any
 from ray_diloco.control.events import (
     Event,
     HeldoutEvaluated,
+    LearnerJoined,
     LearnerRejoined,
     LearnerStateChanged,
     RoundClosed,
@@ -89,11 +90,16 @@ class RunRecord:
 
     @property
     def learner_names(self) -> list[str]:
-        return [lg["name"] for lg in self.config.get("learners", [])]
+        """The config's learners, then those that joined the running job (the tape's order)."""
+        return list(self.regions)
 
     @property
     def regions(self) -> dict[str, str]:
-        return {lg["name"]: lg.get("region", "local") for lg in self.config.get("learners", [])}
+        out = {lg["name"]: lg.get("region", "local") for lg in self.config.get("learners", [])}
+        for e in self.events:
+            if isinstance(e, LearnerJoined):
+                out.setdefault(e.learner, e.region)
+        return out
 
     def label(self, learner: str) -> str:
         region = self.regions.get(learner)
@@ -122,10 +128,13 @@ class RunRecord:
             open_[name] = (state, t)
 
         events = sorted(self.events, key=lambda e: e.t)
-        # Every learner of the config is being started from the run's start on.
+        # Every learner of the config is being started from the run's start on (one that
+        # joined later is from its first event on, below).
         start = next((e.t for e in events if isinstance(e, RunStarted)), None)
         if start is not None:
-            open_.update({name: ("starting", start) for name in self.learner_names})
+            open_.update(
+                {lg["name"]: ("starting", start) for lg in self.config.get("learners", [])}
+            )
         for e in events:
             learner = getattr(e, "learner", None)
             if isinstance(learner, str) and learner not in open_:

@@ -385,7 +385,11 @@ class Supervisor(MembershipDuty):
         learners = self.control.snapshot()
         for name, row in learners.items():
             info = self.slots[name].info.get(0, {})
-            row.update(step=info.get("step"), degraded=self.degradation.degraded(name))
+            row.update(
+                step=info.get("step"),
+                degraded=self.degradation.degraded(name),
+                region=self.regions[name],
+            )
         sync = self.sync.status or {}
         snap = {
             "learners": learners,

@@ -5,6 +5,7 @@ token ledger stays exact."""
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
@@ -125,6 +126,11 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
     assert summary["ledger_violations"] == []
     assert summary["tokens"] == sum(a["tokens"] for a in summary["learners"].values())
     assert [e for e in events if isinstance(e, RoundClosed) and e.t > left.t]
+    # what a watcher sees (the progress display and the run report read these points)
+    points = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shown = [p["learners"]["extra"] for p in points if "extra" in p.get("learners", {})]
+    assert any(ls["state"] == "training" and ls["merged"] > 0 for ls in shown)
+    assert shown[-1]["state"] == "left" and shown[-1]["region"] == "local"
 
 
 def test_scale_reports_a_bad_run_dir_in_one_line(tmp_path: Path) -> None:

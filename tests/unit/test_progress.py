@@ -81,6 +81,30 @@ def test_a_restarted_learner_shows_since_when_it_is_down():
     assert eu["state"] == "dead" and eu["since"] == 12.0 and eu["steps_per_s"] == 0.0
 
 
+def test_a_learner_that_joins_the_running_job_is_shown_and_so_is_its_leave():
+    """`ray-diloco scale --add`: the tracker knows the config's learners; a joiner appears
+    from the first poll whose supervisor status names it, with the region it names."""
+    tracker = ProgressTracker(100_000, REGIONS)
+    up = {"us-0": "training", "eu-0": "training"}
+    tracker.point(10.0, *statuses(1_000, {"us-0": 5, "eu-0": 5}, {}, up))
+    st, sup = statuses(1_500, {"us-0": 9, "eu-0": 9, "ap-0": 2}, {"ap-0": 1}, up)
+    sup["learners"]["ap-0"] = {
+        "state": "training",
+        "incarnation": 0,
+        "restarts": 0,
+        "region": "ap-south",
+    }
+    p = tracker.point(12.0, st, sup)
+    assert list(p["learners"]) == ["us-0", "eu-0", "ap-0"]
+    ap = p["learners"]["ap-0"]
+    assert ap["region"] == "ap-south" and ap["state"] == "training" and ap["merged"] == 1
+    assert "training 3" in progress_line(p, 100_000)
+    sup["learners"]["ap-0"]["state"] = "left"
+    p = tracker.point(14.0, st, sup)
+    assert "training 2, left 1 (ap-0)" in progress_line(p, 100_000)
+    assert "ap-south" in _text(render(p, "run local"))
+
+
 def test_live_view_says_learners_are_starting_instead_of_rows_of_zeros():
     tracker = ProgressTracker(600_000, REGIONS, "http://127.0.0.1:8265")
     p = tracker.point(12.0, *statuses(0, {}, {}, {"us-0": "compiling", "eu-0": "starting"}))

@@ -14,6 +14,8 @@ from ray_diloco.control.events import (
     FailureKind,
     FaultInjected,
     HeldoutEvaluated,
+    LearnerJoined,
+    LearnerLeft,
     LearnerRejoined,
     LearnerRestarted,
     LearnerState,
@@ -144,3 +146,31 @@ def test_report_of_a_dir_without_a_run_is_one_error_line(tmp_path: Path, capsys)
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "events.jsonl" in err
+
+
+def test_a_learner_that_joined_and_left_is_in_the_report(tmp_path: Path):
+    """`ray-diloco scale --add`: the joiner is not in config.json, only on the tape; its row,
+    region and timeline (from its join, not the run's start) come from there, and a failure
+    of it is drawn on its row instead of failing the report."""
+    make_run(tmp_path, finished=True)
+    joined = [
+        LearnerJoined(9.0, "ap-0", "ap-south", "cpu", "requested"),
+        LearnerStateChanged(9.0, "ap-0", 0, LearnerState.STARTING),
+        LearnerStateChanged(10.0, "ap-0", 0, T),
+        FailureDetected(11.0, "ap-0", FailureKind.CRASH, 0.2),
+        LearnerStateChanged(11.0, "ap-0", 0, D),
+        LearnerStateChanged(11.5, "ap-0", 1, T),
+        LearnerStateChanged(14.0, "ap-0", 1, LearnerState.LEFT),
+        LearnerLeft(14.0, "ap-0", "requested", 512),
+    ]
+    with EventTape(tmp_path / "events.jsonl") as tape:
+        for e in joined:
+            tape.append(e)
+    rec = RunRecord.load(tmp_path)
+    assert rec.learner_names == ["us-0", "eu-0", "ap-0"]
+    assert rec.label("ap-0") == "ap-0 (ap-south)"
+    spans = rec.state_spans()["ap-0"]
+    assert spans[0] == ("starting", 9.0, 10.0)
+    assert spans[-1] == ("left", 14.0, 18.5)
+    write_report(tmp_path)
+    assert "ap-0 (ap-south)" in (tmp_path / "report.html").read_text()
