@@ -46,9 +46,10 @@ DOWN_STATES = frozenset({"dead", "restarting", "gave_up"})
 
 
 def run_title(cfg: RunConfig) -> str:
+    # "at start": learners may join and leave the running job (the table shows who is in it)
     return (
-        f"ray_diloco · run {cfg.name} · {cfg.diloco.mode} · {cfg.num_learners} learners · "
-        f"{human(cfg.token_budget)} tokens"
+        f"ray_diloco · run {cfg.name} · {cfg.diloco.mode} · {cfg.num_learners} learners at "
+        f"start · {human(cfg.token_budget)} tokens"
     )
 
 
