@@ -32,6 +32,7 @@ import psutil
 import ray
 
 from ray_diloco.actors.compile_cache import use_compilation_cache
+from ray_diloco.actors.connect import connect
 from ray_diloco.actors.learner_group import regions_are_labelled
 from ray_diloco.actors.supervisor import create_supervisor, supervisor_name
 from ray_diloco.actors.sync_launch import create_synchronizer
@@ -112,7 +113,7 @@ def _connect(cfg: RunConfig, address: str | None, dashboard: bool) -> tuple[bool
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("connecting to Ray at %s", address)
-        context = ray.init(address=address, namespace=cfg.synchronizer.namespace)
+        context = connect(address, cfg.synchronizer.namespace)
         return False, _url(context.dashboard_url)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     joins = [c.join for c in cfg.elastic.schedule if c.join is not None]

@@ -56,13 +56,11 @@ def main(argv: list[str]) -> int:
     specs = [parse_spec(s) for s in args.add]
     import ray
 
+    from ray_diloco.actors.connect import connect
     from ray_diloco.actors.supervisor import supervisor_name
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
-    try:
-        ray.init(address=address, namespace=cfg.synchronizer.namespace, log_to_driver=False)
-    except ConnectionError as err:
-        raise ConfigError(f"--address {address}: no Ray cluster there ({err})") from None
+    connect(address, cfg.synchronizer.namespace, log_to_driver=False)
     name = supervisor_name(cfg)
     try:
         sup: Any = ray.get_actor(name, namespace=cfg.synchronizer.namespace)

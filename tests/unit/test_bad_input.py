@@ -7,6 +7,7 @@ starts, which is the point."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,18 @@ def place(tmp_path: Path) -> Path:
 
 
 IMPOSSIBLE = "file/out"  # under a plain file
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (one the OS just handed out, closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Stands for a local address nothing listens on (Ray would retry it for ever, actors/connect.py),
+# picked when the case runs: the case's id must be the same in every pytest-xdist worker.
+NO_CLUSTER = "NO_CLUSTER"
 CASES = {
     # command -> [(arguments, what the error line must name)]
     "train": [
@@ -36,6 +49,7 @@ CASES = {
         (["--set", f"run_dir={IMPOSSIBLE}"], "run_dir=file/out: "),
         (["--config", "conf.yaml"], "config file conf.yaml is a directory"),
         (["--set", "token_budget=1e-3"], "invalid configuration"),
+        (["--address", NO_CLUSTER], f"no Ray cluster at {NO_CLUSTER}"),
     ],
     "simulate": [
         (["--config", "bad.yaml"], "bad.yaml: not valid YAML"),
@@ -66,6 +80,7 @@ CASES = {
         (["conf.yaml"], "conf.yaml/config.json not found"),
         (["run", "--add", "name=[x"], "--add name: not valid YAML"),
         (["run", "--add", "batch_size=1e3"], "the learner needs a name"),
+        (["run", "--list", "--address", NO_CLUSTER], f"no Ray cluster at {NO_CLUSTER}"),
     ],
 }
 
@@ -83,6 +98,11 @@ def test_bad_input_is_one_error_line_exit_2_and_nothing_written(
     names: str,
 ) -> None:
     monkeypatch.chdir(place)
+    address = f"127.0.0.1:{_closed_port()}"
+    args, names = (
+        [address if a == NO_CLUSTER else a for a in args],
+        names.replace(NO_CLUSTER, address),
+    )
     before = sorted(p.relative_to(place) for p in place.rglob("*"))
     assert cli.main([command, *args]) == 2
     out, err = capsys.readouterr()
@@ -97,3 +117,23 @@ def test_a_number_written_1e6_is_read_as_a_number(capsys: pytest.CaptureFixture[
     assert cli.main(["simulate-bandwidth", "--datacenters", "4", "--links", "5"]) == 0
     assert cli.main(["simulate-goodput", "--chips", "1e6", "--days", "0.01"]) == 0
     assert "1,000,000" in capsys.readouterr().out
+
+
+def test_a_cluster_that_refuses_the_token_is_named_with_the_fix() -> None:
+    """Ray 2.60's chain when token auth is on and this process has no token (measured
+    against `ray start --head`): a ConnectionError raised while handling a RuntimeError whose
+    text carries the GCS client's InvalidAuthToken."""
+    from ray_diloco.actors.connect import _why
+
+    address = "10.0.0.2:6379"
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. ... InvalidAuthToken: token missing")
+        except RuntimeError:
+            raise ConnectionError(f"Failed to connect to Ray cluster at {address}")  # noqa: B904 - as Ray does
+    except ConnectionError as err:
+        why = _why(address, err)
+    assert why.startswith(f"Ray at {address} refused this process's token")
+    assert "RAY_AUTH_MODE=token" in why
+    other = _why(address, ConnectionError(f"Failed to connect to Ray cluster at {address}"))
+    assert other.startswith(f"no Ray cluster at {address} (Failed to connect")
