@@ -11,6 +11,7 @@ recovery; the pictures are also written as PNGs next to it.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import json
@@ -93,8 +94,9 @@ class RunRecord:
         """The config's learners, then those that joined the running job (the tape's order)."""
         return list(self.regions)
 
-    @property
+    @functools.cached_property
     def regions(self) -> dict[str, str]:
+        """Region per learner (once: the plots label every learner from it)."""
         out = {lg["name"]: lg.get("region", "local") for lg in self.config.get("learners", [])}
         for e in self.events:
             if isinstance(e, LearnerJoined):
