@@ -29,14 +29,22 @@ def connect(address: str, namespace: str, **init_args: Any) -> Any:
         raise ConfigError(_why(address, err)) from None
 
 
-def _reachable(address: str) -> None:
-    """A GCS address (host:port) must accept a TCP connection; "auto" and ray:// addresses are
-    left to Ray."""
+def gcs_host_port(address: str) -> tuple[str, int] | None:
+    """The host and port of a GCS address ("10.0.0.2:6379", "[::1]:6379"); None for what is
+    left to Ray ("auto", "local", ray:// client addresses)."""
     host, sep, port = address.rpartition(":")
     if not sep or "://" in address or not port.isdigit():
+        return None
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _reachable(address: str) -> None:
+    """A GCS address must accept a TCP connection."""
+    gcs = gcs_host_port(address)
+    if gcs is None:
         return
     try:
-        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        socket.create_connection(gcs, timeout=REACH_TIMEOUT_S).close()
     except OSError as err:
         raise ConfigError(_no_cluster(address, err.strerror or str(err))) from None
 

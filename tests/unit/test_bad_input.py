@@ -137,3 +137,13 @@ def test_a_cluster_that_refuses_the_token_is_named_with_the_fix() -> None:
     assert "RAY_AUTH_MODE=token" in why
     other = _why(address, ConnectionError(f"Failed to connect to Ray cluster at {address}"))
     assert other.startswith(f"no Ray cluster at {address} (Failed to connect")
+
+
+def test_what_address_is_tried_before_ray_and_what_is_left_to_it() -> None:
+    from ray_diloco.actors.connect import gcs_host_port
+
+    assert gcs_host_port("10.0.0.2:6379") == ("10.0.0.2", 6379)
+    assert gcs_host_port("[::1]:6379") == ("::1", 6379)  # an IPv6 head, brackets off
+    assert gcs_host_port("head.example:6379") == ("head.example", 6379)
+    for left_to_ray in ("auto", "local", "ray://10.0.0.2:10001", "10.0.0.2"):
+        assert gcs_host_port(left_to_ray) is None
