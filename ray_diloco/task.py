@@ -30,7 +30,7 @@ import inspect
 import json
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -38,12 +38,16 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import optax
 import pydantic
+from jax.sharding import PartitionSpec
 
 from ray_diloco.config import ConfigError, format_validation_error
 
 Params = Any  # any JAX pytree of arrays
 Batch = Any  # any pytree of arrays whose leading axis is the batch
 LossFn = Callable[[Params, Batch], tuple[jax.Array, Mapping[str, jax.Array]]]
+ShardingRules = (
+    Callable[[str, tuple[int, ...]], PartitionSpec | None] | Sequence[tuple[str, PartitionSpec]]
+)
 
 # Leaves whose rows are updated sparsely (token/position embeddings, output projections) merge
 # with a plain weighted mean instead of RDA (algorithm.md sections 3 and 6).
@@ -91,6 +95,12 @@ class Task:
         takes the config's AdamW (`inner:` section).
     merge_with_mean: key path -> True for leaves merged with the weighted mean instead of RDA
         (default: embeddings and output heads, `is_embedding`).
+    sharding: how each leaf is laid out over the learner's mesh (axes "data", "fsdp",
+        "tensor"): `(key path, shape) -> PartitionSpec | None`, or `[(regex, PartitionSpec)]`
+        rules matched against the key path; None (the leaf, or the whole field) falls back to
+        the leaf's Flax partitioning metadata, then to FSDP (algorithm/sharding.py).
+    logical_axis_rules: `[(logical name, mesh axis or None)]` for names in the specs or
+        metadata that are not mesh axes (Flax/MaxText style: `("embed", "fsdp")`).
     """
 
     init: Callable[[jax.Array], Params]
@@ -99,6 +109,8 @@ class Task:
     optimizer: Callable[[int], optax.GradientTransformation] | None = None
     merge_with_mean: Callable[[str], bool] = is_embedding
     name: str = "task"
+    sharding: ShardingRules | None = None
+    logical_axis_rules: Sequence[tuple[str, str | tuple[str, ...] | None]] = ()
 
 
 TaskFactory = Callable[..., Task]

@@ -22,6 +22,7 @@ from tests.cpu_load import CpuLoad
 from tests.xdist_scopes import SuiteScheduling, longest_first
 
 _LOAD = pytest.StashKey[CpuLoad]()
+TEST_DEVICES = 8
 _CACHE = pytest.StashKey[str]()
 
 
@@ -48,6 +49,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # xdist workers would each start N of their own. So does the compilation cache, which the
     # workers (started after this hook) inherit through the environment.
     if not hasattr(config, "workerinput"):
+        # Every test process (the xdist workers inherit it) has 8 CPU devices, so the sharded
+        # learner is tested over a real mesh in-process; a learner whose config has one
+        # device still takes one (setup.learner_layout), and Ray hosts get their own count.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            count = f"--xla_force_host_platform_device_count={TEST_DEVICES}"
+            os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
         config.stash[_LOAD] = CpuLoad(int(config.getoption("--cpu-load"))).__enter__()
         if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
             config.stash[_CACHE] = _share_compilation_cache()

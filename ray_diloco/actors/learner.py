@@ -199,11 +199,12 @@ class LearnerHost:
         # cost seconds of every restart.
         task = setup.task_of(self.cfg)
         tree = setup.layout_of(self.cfg, task)
+        layout = setup.learner_layout(self.cfg, task, tree, self.lg, spmd.learner_devices(self.lg))
         link: Any = spmd.LocalLink()
-        layout, plan = None, None
+        plan = None
         if self.num_hosts > 1:
             fragments = setup.fragment_plan(self.cfg, task)
-            link, layout = spmd.HostLink(fragments.fragments, tree.shapes), spmd.SpmdLayout()
+            link = spmd.HostLink(fragments.fragments, tree.shapes)
             plan = None if leader else fragments
         try:
             self._train(task, tree, link, layout, channel, plan)
@@ -243,8 +244,12 @@ class LearnerHost:
         self._set_state(LearnerState.COMPILING, "first step")
         while True:
             t0 = time.perf_counter()
-            self.loss = core.train_step(*core.next_batch())
-            offers = self.faults.corrupt(core.offers())
+            loss = core.dispatch_step(*core.next_batch())
+            # The previous step's offers, whose host copies ran while this step was
+            # dispatched: their delta and encoding overlap this step's compute.
+            offers = self.faults.corrupt(core.collect_offers())
+            self.loss = float(loss)
+            core.begin_offers()
             compiled = self.state is LearnerState.COMPILING
             if compiled:
                 self._set_state(LearnerState.TRAINING, "compiled")
@@ -295,6 +300,12 @@ class LearnerHost:
             core.inbox = {p: (v, values) for p, v, values in held}
             core.reader.add([Lease(*lease) for lease in leases])
             core.apply_received()
+            if stop or (core.pending and core.blocked_on()):
+                # Offers that cannot wait for the next step to hide their copies: the run
+                # stops, or (tau = 0) a fragment is due back before the next step starts.
+                flushed = self.faults.corrupt(core.collect_offers())
+                if channel is not None:
+                    channel.offer(flushed)
             if stop:
                 return False
             waiting: list[Any] = list(core.blocked_on())

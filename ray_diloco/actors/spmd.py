@@ -1,14 +1,16 @@
-"""Layer: actors (Ray shell). Data parallelism inside one learner that spans several hosts.
+"""Layer: actors (Ray shell). One learner over several hosts.
 
 Every host of the learner runs the same `LearnerCore` as one `jax.distributed` job (CPU: gloo
-collectives): parameters replicated over all hosts, each batch sharded over them, so one inner
-step is ordinary SPMD data parallelism and the gradient all-reduce happens inside the jitted
-step. Only host 0 (the leader) talks to the synchronizer. At every step boundary it broadcasts
-what the other hosts must do (`HostLink.share_step`: the fragments it received, whether to stop
-and the data leases it was given: every host reads the same global batch and keeps its rows)
-with `multihost_utils.broadcast_one_to_all`, and at start the snapshot and data it registered
-with, so all hosts apply the same fragments at the same step and stay identical. A learner with
-one host uses `LocalLink`, which passes everything through.
+collectives) over one mesh of every device of every host (algorithm/sharding.py): parameters
+and optimizer state laid out by the task's sharding (FSDP by default), each batch split over
+the mesh, and the collectives inside the jitted step. Only host 0 (the leader) talks to the
+synchronizer: a fragment it offers is gathered to every host at its due step (a collective
+over the slice's fast links, one DCN upload per learner). At every step boundary it
+broadcasts what the other hosts must do (`HostLink.share_step`: the fragments it received,
+whether to stop and the data leases it was given: every host reads the same global batch and
+gives the mesh its rows) with `multihost_utils.broadcast_one_to_all`, and at start the
+snapshot and data it registered with, so all hosts apply the same fragments at the same step.
+A learner with one host uses `LocalLink`, which passes everything through.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm.learner_core import DeviceLayout
+from ray_diloco.config import LearnerGroupConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,48 +55,19 @@ def shutdown() -> None:
     jax.distributed.shutdown()
 
 
-class SpmdLayout(DeviceLayout):
-    """Parameters replicated on every device of every host, batches split over them."""
+def learner_devices(lg: LearnerGroupConfig) -> list[Any]:
+    """Every device of the learner (all its hosts' once `initialize` ran), checked against
+    its config: a host that sees another count was started without its devices."""
+    import jax
 
-    def __init__(self) -> None:
-        import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.sharded = NamedSharding(mesh, PartitionSpec("data"))
-        self.index, self.count = jax.process_index(), jax.process_count()
-
-    def param(self, host: np.ndarray) -> Any:
-        import jax
-
-        return jax.make_array_from_process_local_data(self.replicated, np.asarray(host))
-
-    def place(self, tree: Any) -> Any:
-        """Every leaf replicated on the mesh, as the step's outputs are (the same input types
-        on every call: one compilation)."""
-        import jax
-
-        def replicated(leaf: Any) -> Any:
-            if getattr(leaf, "sharding", None) == self.replicated:
-                return leaf
-            return self.param(np.asarray(leaf))
-
-        return jax.tree.map(replicated, tree)
-
-    def batch(self, batch: Any) -> Any:
-        # Every host reads the same global batch (a pure function of the cursor) and keeps
-        # its rows of every leaf: the learner's global batch is exactly that of a single-host
-        # learner.
-        import jax
-
-        def local(leaf: Any) -> Any:
-            leaf = np.asarray(leaf)
-            rows = leaf.shape[0] // self.count
-            part = leaf[self.index * rows : (self.index + 1) * rows]
-            return jax.make_array_from_process_local_data(self.sharded, part, leaf.shape)
-
-        return jax.tree.map(local, batch)
+    devices = jax.devices()
+    if len(devices) != lg.num_devices:
+        raise RuntimeError(
+            f"learner {lg.name}: JAX sees {len(devices)} devices over {jax.process_count()} "
+            f"process(es), its config {lg.num_hosts} host(s) x {lg.host_devices} (the host's "
+            "XLA_FLAGS or TPU runtime do not match devices_per_host / the slice shape)"
+        )
+    return devices
 
 
 class LocalLink:

@@ -74,9 +74,10 @@ def inner_optimizer(
     return make_inner_optimizer(cfg, total_steps)
 
 
-def make_train_step(task: Task, layout: TreeLayout, tx: optax.GradientTransformation) -> TrainStep:
-    """The jitted inner step `(flat params, opt_state, batch) -> (flat params, opt_state, loss)`;
-    `opt_state` has the structure of the task's pytree (`init_opt_state`)."""
+def train_step_fn(task: Task, layout: TreeLayout, tx: optax.GradientTransformation) -> TrainStep:
+    """The inner step `(flat params, opt_state, batch) -> (flat params, opt_state, loss)`, not
+    jitted (a learner jits it with its mesh's shardings, algorithm/sharding.py); `opt_state`
+    has the structure of the task's pytree (`init_opt_state`)."""
 
     def step(flat: Flat, opt_state: Any, batch: Batch) -> tuple[Flat, Any, jax.Array]:
         params = layout.unflatten(flat)
@@ -84,7 +85,12 @@ def make_train_step(task: Task, layout: TreeLayout, tx: optax.GradientTransforma
         updates, opt_state = tx.update(grads, opt_state, params)
         return layout.flatten(optax.apply_updates(params, updates)), opt_state, loss
 
-    return jax.jit(step)
+    return step
+
+
+def make_train_step(task: Task, layout: TreeLayout, tx: optax.GradientTransformation) -> TrainStep:
+    """`train_step_fn` jitted on the default device."""
+    return jax.jit(train_step_fn(task, layout, tx))
 
 
 def init_opt_state(tx: optax.GradientTransformation, layout: TreeLayout, flat: Flat) -> Any:

@@ -13,10 +13,10 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -26,23 +26,46 @@ from ray_diloco.algorithm.fragments import FragmentPlan, due_fragments
 from ray_diloco.algorithm.leases import ENDLESS, Lease
 from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.algorithm.round_types import ContributionMeta
-from ray_diloco.algorithm.setup import tokens_per_step, total_inner_steps
+from ray_diloco.algorithm.setup import learner_layout, tokens_per_step, total_inner_steps
+from ray_diloco.algorithm.sharding import ShardedLayout
 from ray_diloco.config import InnerOptimizerConfig, LearnerGroupConfig, RunConfig
 from ray_diloco.task import Batch, Task
 
 logger = logging.getLogger(__name__)
 
 Snapshot = Mapping[int, tuple[int, Mapping[str, np.ndarray]]]
+Offer = tuple[ContributionMeta, dict[str, wire.Encoded]]
 
 
 @functools.lru_cache(maxsize=8)
 def _compiled_step(
-    task: Task, tree: TreeLayout, inner_cfg: InnerOptimizerConfig, total_steps: int
+    task: Task, layout: ShardedLayout, inner_cfg: InnerOptimizerConfig, total_steps: int
 ) -> tuple[optax.GradientTransformation, inner.TrainStep]:
-    """One jitted step per task and schedule, shared by every learner in the process (the
-    reference run has M of them): XLA compiles once instead of M times."""
+    """One jitted step per task, layout and schedule, shared by every learner in the process
+    (the reference run has M of them): XLA compiles once instead of M times."""
     tx = inner.inner_optimizer(task, inner_cfg, total_steps)
-    return tx, inner.make_train_step(task, tree, tx)
+    return tx, layout.jit_step(inner.train_step_fn(task, layout.tree, tx), tx)
+
+
+@dataclass
+class PendingOffer:
+    """A contribution on its way off the devices: its leaves' copies to this host started at
+    the step it fell due (`meta.step`), against the base it was trained on."""
+
+    meta: ContributionMeta
+    base: Mapping[str, np.ndarray]
+    arrays: dict[str, jax.Array]
+    _theta: dict[str, np.ndarray] | None = None
+
+    def theta(self) -> dict[str, np.ndarray]:
+        """The fragment's values at the due step, float32, on this host (waits for the
+        copies if they are not done)."""
+        if self._theta is None:
+            self._theta = {
+                k: ShardedLayout.host(a).astype(np.float32, copy=False)
+                for k, a in self.arrays.items()
+            }
+        return self._theta
 
 
 class DataStarved(Exception):
@@ -109,22 +132,6 @@ class LeaseReader:
         return joined, sum(t for _, t in pieces)
 
 
-class DeviceLayout:
-    """Where the learner's arrays live: by default on this process's default device. A
-    learner spanning several hosts passes an SPMD layout (actors/spmd.py) that replicates the
-    parameters over every host and shards the batch, so the same core runs data-parallel."""
-
-    def param(self, host: np.ndarray) -> jax.Array:
-        return jnp.asarray(host)
-
-    def batch(self, batch: Batch) -> Batch:
-        return jax.tree.map(jnp.asarray, batch)
-
-    def place(self, tree: Any) -> Any:
-        """Optimizer state where the parameters live (already so on one device)."""
-        return tree
-
-
 class LearnerCore:
     """`task` and `tree` (the parameters' layout) say what is trained, `plan` how it is cut into
     fragments; the learner reads its `leases` of the task's data (parts of `num_parts`,
@@ -146,11 +153,13 @@ class LearnerCore:
         cursor: int = 0,
         num_parts: int = 1,
         total_steps: int | None = None,
-        layout: DeviceLayout | None = None,
+        layout: ShardedLayout | None = None,
     ) -> None:
         self.cfg = cfg
         self.task, self.tree = task, tree
-        self.layout = layout or DeviceLayout()
+        # The learner's mesh over its devices (algorithm/sharding.py); in-process runs take
+        # the process's devices (setup.learner_layout).
+        self.layout = layout or learner_layout(cfg, task, tree, learner)
         self.name = learner.name
         self.batch_size = learner.batch_size
         self.incarnation = incarnation
@@ -158,7 +167,7 @@ class LearnerCore:
         self.num_parts = num_parts
         self.tokens_per_step = tokens_per_step(task, learner)
         steps = total_steps or total_inner_steps(cfg, task)
-        self.tx, self.step_fn = _compiled_step(task, tree, cfg.inner, steps)
+        self.tx, self.step_fn = _compiled_step(task, self.layout, cfg.inner, steps)
         self.cursor = cursor
         self.reader = LeaseReader(task.data, num_parts, learner.batch_size, leases, offset)
         # A restarted learner continues its schedule where its data cursor says it was.
@@ -170,9 +179,10 @@ class LearnerCore:
         self.tokens_since = [0] * num_fragments
         self.params: dict[str, jax.Array] = {}
         self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
-        # p -> the last offer since the base was received: (steps and tokens since the base
-        # then, theta); what of the local work is unsent (`diloco.keep_unsent_work`).
-        self.last_offer: dict[int, tuple[int, int, dict[str, np.ndarray]]] = {}
+        # p -> the last offer since the base was received: what of the local work is unsent
+        # (`diloco.keep_unsent_work`).
+        self.last_offer: dict[int, PendingOffer] = {}
+        self.pending: list[PendingOffer] = []  # started, not collected (`collect_offers`)
         # Differences whose base version has not arrived yet: p -> base -> message.
         self.waiting: list[dict[int, Message]] = [{} for _ in range(num_fragments)]
         self.full_dtype = downstream.full_dtype(cfg.diloco)
@@ -181,16 +191,9 @@ class LearnerCore:
         self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
 
     def _fresh_opt_state(self) -> Any:
-        state = inner.init_opt_state(self.tx, self.tree, self.params)
-        if self.step:
-            # Move every step count (the schedule's and Adam's) to where this learner stands.
-            # Adam's too: with its moments at zero and no bias correction, a restart's first
-            # steps are ~0.45 of a corrected one (b1 0.9, b2 0.95), which measured better than
-            # correcting them (goodput benchmark, decoupled, aggressive: 2.538 against 2.570).
-            state = optax.tree_utils.tree_set(state, count=jnp.asarray(self.step, jnp.int32))
-        # An SPMD learner's step would otherwise compile twice: its first call sees Adam's
-        # counts on one device, every later call on the mesh (7 s more per restart here).
-        return self.layout.place(state)
+        """Initialised with the parameters' shardings, every step count (the schedule's and
+        Adam's) where this learner stands."""
+        return self.layout.init_opt_state(self.tx, self.params, self.step)
 
     # -- adopting global fragments ------------------------------------------------------------
 
@@ -288,13 +291,13 @@ class LearnerCore:
         params = G + (params - theta at the last offer since the base; the base itself when
         none), and the counters of that work only."""
         offer = self.last_offer.get(p)
-        ref = offer[2] if offer is not None else self.base_values[p]
-        steps = self.steps_since[p] - (offer[0] if offer is not None else 0)
-        tokens = self.tokens_since[p] - (offer[1] if offer is not None else 0)
-        work = {k: np.asarray(self.params[k], np.float32) - ref[k] for k in ref}
+        ref = offer.theta() if offer is not None else self.base_values[p]
+        steps = self.steps_since[p] - (offer.meta.num_steps if offer is not None else 0)
+        tokens = self.tokens_since[p] - (offer.meta.num_tokens if offer is not None else 0)
+        work = {k: self.layout.difference(k, self.params[k], ref[k]) for k in ref}
         self._overwrite(p, version, values, alpha=0.0)
         for k, w in work.items():
-            self.params[k] = self.params[k] + self.layout.param(w.astype(self.tree.dtypes[k]))
+            self.params[k] = self.layout.add(k, self.params[k], w)
         self.steps_since[p], self.tokens_since[p] = steps, tokens
 
     def _overwrite(
@@ -304,9 +307,9 @@ class LearnerCore:
         for k, g in host.items():
             value = g.astype(self.tree.dtypes[k])  # the task's dtype (the wire carries float32)
             if alpha and k in self.params:
-                self.params[k] = alpha * self.params[k] + (1 - alpha) * self.layout.param(value)
+                self.params[k] = self.layout.mix(k, alpha, self.params[k], value)
             else:
-                self.params[k] = self.layout.param(value)
+                self.params[k] = self.layout.param(k, value)
         # Decision (algorithm.md section 4): the inner optimizer state is kept.
         self.base_values[p] = host
         self.base_version[p] = version
@@ -331,6 +334,11 @@ class LearnerCore:
         return self.reader.next()
 
     def train_step(self, batch: Batch, num_tokens: int) -> float:
+        return float(self.dispatch_step(batch, num_tokens))
+
+    def dispatch_step(self, batch: Batch, num_tokens: int) -> jax.Array:
+        """Start one inner step; returns its loss without waiting for it (JAX dispatches
+        asynchronously), so the caller can finish the previous step's offers meanwhile."""
         self.params, self.opt_state, loss = self.step_fn(
             self.params, self.opt_state, self.layout.batch(batch)
         )
@@ -339,7 +347,7 @@ class LearnerCore:
         for p in range(self.plan.num_fragments):
             self.steps_since[p] += 1
             self.tokens_since[p] += num_tokens
-        return float(loss)
+        return loss
 
     def blocked_on(self) -> list[int]:
         """Synchronous mode: fragments offered `overlap_steps` ago whose new version has not
@@ -349,28 +357,52 @@ class LearnerCore:
         tau = self.cfg.diloco.overlap_steps
         return [p for p, (at, _) in self.outstanding.items() if self.step - at >= tau]
 
-    def offers(self) -> list[tuple[ContributionMeta, dict[str, wire.Encoded]]]:
-        """Contributions due at the current step: the host copy of each due fragment, sent as
-        its delta to the base version's published value in the configured wire dtype."""
-        d = self.cfg.diloco
-        due = due_fragments(self.step, d.sync_every, d.num_fragments)
-        return [offer for p in due if (offer := self._offer(p)) is not None]
+    def offers(self) -> list[Offer]:
+        """Contributions due at the current step, ready to send: `begin_offers` and
+        `collect_offers` at once (the in-process runs, whose clock is virtual)."""
+        self.begin_offers()
+        return self.collect_offers()
 
-    def final_offers(self) -> list[tuple[ContributionMeta, dict[str, wire.Encoded]]]:
-        """Before leaving the run for good: every fragment with work not offered yet, so no
-        finished step is lost (a graceful leave)."""
-        unsent = [
-            p
-            for p in range(self.plan.num_fragments)
-            if self.steps_since[p] and self.outstanding.get(p, (-1, 0))[0] < self.step
-        ]
-        return [offer for p in unsent if (offer := self._offer(p)) is not None]
-
-    def _offer(self, p: int) -> tuple[ContributionMeta, dict[str, wire.Encoded]] | None:
+    def begin_offers(self) -> None:
+        """Start the host copies of each fragment due at the current step (its leaves only);
+        `collect_offers` finishes them, typically while the next step runs."""
         d = self.cfg.diloco
+        for p in due_fragments(self.step, d.sync_every, d.num_fragments):
+            self._begin(p)
+
+    def collect_offers(self) -> list[Offer]:
+        """The started offers as contributions: each fragment's delta to the published value
+        of its base version, in the configured wire dtype. A fragment that is not finite is
+        not offered (and not waited for)."""
+        d = self.cfg.diloco
+        out = []
+        pending, self.pending = self.pending, []
+        for offer in pending:
+            theta = offer.theta()
+            delta = {k: theta[k] - offer.base[k] for k in offer.base}
+            p = offer.meta.fragment
+            if not all(np.isfinite(v).all() for v in delta.values()):
+                logger.warning(
+                    "learner %s: fragment %d is not finite, not offered", self.name, p
+                )
+                if self.outstanding.get(p) == (offer.meta.step, offer.meta.base_version):
+                    del self.outstanding[p]
+                if self.last_offer.get(p) is offer:
+                    del self.last_offer[p]
+                continue
+            out.append((offer.meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)))
+        return out
+
+    def final_offers(self) -> list[Offer]:
+        """Before leaving the run for good: every started offer and every fragment with work
+        not offered yet, so no finished step is lost (a graceful leave)."""
+        for p in range(self.plan.num_fragments):
+            if self.steps_since[p] and self.outstanding.get(p, (-1, 0))[0] < self.step:
+                self._begin(p)
+        return self.collect_offers()
+
+    def _begin(self, p: int) -> None:
         base = self.base_values[p]
-        theta = {k: np.asarray(self.params[k], np.float32) for k in base}
-        delta = {k: theta[k] - base[k] for k in base}
         meta = ContributionMeta(
             learner=self.name,
             incarnation=self.incarnation,
@@ -380,10 +412,9 @@ class LearnerCore:
             num_steps=self.steps_since[p],
             num_tokens=self.tokens_since[p],
         )
-        if not all(np.isfinite(v).all() for v in delta.values()):
-            logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
-            return None
+        arrays = {k: self.layout.start_copy(self.params[k]) for k in base}
+        offer = PendingOffer(meta, base, arrays)
+        self.pending.append(offer)
         self.outstanding[p] = (self.step, self.base_version[p])
-        if d.keep_unsent_work:
-            self.last_offer[p] = (self.steps_since[p], self.tokens_since[p], theta)
-        return meta, wire.encode_tree(delta, d.wire_dtype, d.int4_block_size)
+        if self.cfg.diloco.keep_unsent_work:
+            self.last_offer[p] = offer

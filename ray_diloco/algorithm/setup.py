@@ -11,15 +11,18 @@ with one error line instead of a crashed actor.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from ray_diloco.algorithm import inner
+from ray_diloco.algorithm import inner, sharding
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
@@ -35,16 +38,43 @@ def init_key(cfg: RunConfig) -> jax.Array:
     return jax.random.key(cfg.seed)
 
 
-def layout_of(cfg: RunConfig, task: Task | None = None) -> TreeLayout:
-    """The parameters' structure by abstract evaluation of `task.init`: no parameter is
-    computed (a host that receives its parameters needs only the layout)."""
-    task = task or task_of(cfg)
+@contextlib.contextmanager
+def annotations_only() -> Iterator[None]:
+    """Flax >= 0.12 shards an annotated NNX variable as it is created, which needs a mesh in
+    context; ray_diloco reads the annotations and lays the leaves out itself
+    (algorithm/sharding.py), so `task.init` runs with that off."""
     try:
-        abstract = jax.eval_shape(task.init, init_key(cfg))
+        from flax import nnx
+    except ImportError:  # a task without Flax
+        yield
+        return
+    with nnx.use_eager_sharding(False):
+        yield
+
+
+def init_params(cfg: RunConfig, task: Task) -> Any:
+    """`task.init` at the run's key: the parameters every process starts from."""
+    with annotations_only():
+        return task.init(init_key(cfg))
+
+
+def abstract_params(cfg: RunConfig, task: Task) -> Any:
+    """`task.init`'s output by abstract evaluation (shapes, dtypes and Flax metadata): no
+    parameter is computed. ConfigError when init fails."""
+    try:
+        with annotations_only():
+            return jax.eval_shape(task.init, init_key(cfg))
     except Exception as err:
         raise ConfigError(
             f"task: {cfg.task} init(rng) failed: {type(err).__name__}: {err}"
         ) from None
+
+
+def layout_of(cfg: RunConfig, task: Task | None = None) -> TreeLayout:
+    """The parameters' structure by abstract evaluation of `task.init` (a host that receives
+    its parameters needs only the layout)."""
+    task = task or task_of(cfg)
+    abstract = abstract_params(cfg, task)
     try:
         return TreeLayout.of(abstract)
     except ValueError as err:
@@ -66,6 +96,68 @@ def _plan(cfg: RunConfig, task: Task, layout: TreeLayout) -> FragmentPlan:
             f"diloco.num_fragments={cfg.diloco.num_fragments}: {err} (the task's parameters "
             f"have {len(layout.paths)} leaves)"
         ) from None
+
+
+def learner_specs(
+    cfg: RunConfig,
+    task: Task,
+    lg: LearnerGroupConfig,
+    sizes: Mapping[str, int] | None = None,
+    tree: TreeLayout | None = None,
+) -> dict[str, PartitionSpec]:
+    """Each leaf's PartitionSpec on learner `lg`'s mesh (`sizes`, default its config's);
+    ConfigError naming the learner and the leaf when the task's rules do not fit it."""
+    tree = tree or layout_of(cfg, task)
+    try:
+        return sharding.leaf_specs(
+            task,
+            tree,
+            abstract_params(cfg, task),
+            sizes or lg.mesh_sizes,
+            lg.mesh.min_shard_elements,
+        )
+    except sharding.ShardingError as err:
+        raise ConfigError(f"learners: {lg.name!r} (mesh {lg.mesh.describe()}): {err}") from None
+
+
+def learner_layout(
+    cfg: RunConfig,
+    task: Task,
+    tree: TreeLayout,
+    lg: LearnerGroupConfig,
+    devices: Sequence[Any] | None = None,
+) -> sharding.ShardedLayout:
+    """Learner `lg`'s layout over `devices` (on Ray: every device of its hosts). The in-process
+    runs pass None: the learner takes as many of the process's devices as its mesh has, or,
+    where the process has fewer, one device (the same math, replicated)."""
+    if devices is None:
+        available = jax.devices()
+        enough = len(available) >= lg.num_devices
+        devices = available[: lg.num_devices] if enough else available[:1]
+    if len(devices) == lg.num_devices:
+        sizes = lg.mesh_sizes
+    elif len(devices) == 1:
+        sizes = dict.fromkeys(lg.mesh_sizes, 1)
+    else:
+        raise ConfigError(
+            f"learners: {lg.name!r} has {lg.num_devices} devices in its config "
+            f"({lg.num_hosts} host(s) x {lg.host_devices}) but JAX sees {len(devices)}; "
+            "set devices_per_host to what each host has"
+        )
+    specs = learner_specs(cfg, task, lg, sizes, tree)
+    return _layout(tree, tuple(specs.items()), tuple(sorted(sizes.items())), tuple(devices))
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(
+    tree: TreeLayout,
+    specs: tuple[tuple[str, PartitionSpec], ...],
+    sizes: tuple[tuple[str, int], ...],
+    devices: tuple[Any, ...],
+) -> sharding.ShardedLayout:
+    # One layout (so one compiled step) for every learner of the process with the same mesh:
+    # the reference run has M of them.
+    return sharding.ShardedLayout(sharding.make_mesh(dict(sizes), devices), dict(specs), tree)
 
 
 def tokens_per_step(task: Task, learner: LearnerGroupConfig) -> int:
@@ -97,7 +189,7 @@ class Setup:
     def build(cls, cfg: RunConfig) -> Setup:
         task = task_of(cfg)
         layout = layout_of(cfg, task)
-        flat = layout.flatten(task.init(init_key(cfg)))
+        flat = layout.flatten(init_params(cfg, task))
         init = {k: np.asarray(v, np.float32) for k, v in flat.items()}
         plan = _plan(cfg, task, layout)
         return cls(cfg, task, layout, init, plan, inner.make_eval_fn(task, layout))
@@ -124,6 +216,8 @@ def check_task(cfg: RunConfig) -> dict[str, Any]:
     learner and evaluate the held-out set: every problem is one ConfigError naming the field.
     Returns what was found (parameters, leaves, first loss), for the run's log."""
     setup = Setup.build(cfg)
+    for learner in cfg.learners:  # each mesh can lay the parameters out
+        learner_specs(cfg, setup.task, learner, tree=setup.layout)
     lg = cfg.learners[0]
     batch, num_tokens = next(setup.task.data.batches(0, cfg.num_learners, 0, lg.batch_size))
     if not isinstance(num_tokens, int | np.integer) or num_tokens <= 0:

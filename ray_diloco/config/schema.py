@@ -43,6 +43,49 @@ class OuterOptimizerConfig(_Frozen):
 
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]
+MESH_AXES = ("data", "fsdp", "tensor")  # outermost first: tensor is innermost (fastest links)
+
+
+class MeshConfig(_Frozen):
+    """The learner's one mesh over every device of every host of its slice. -1 takes what the
+    other axes leave (at most one axis). The batch is split over `data` x `fsdp`; the default
+    sharding rule splits each large leaf over `fsdp` (algorithm/sharding.py)."""
+
+    data: int = Field(1, description="replicas of the parameters; the batch is split over them")
+    fsdp: int = Field(-1, description="parameters, optimizer state and batch split over it")
+    tensor: int = Field(1, description="for the task's tensor-parallel rules only")
+    min_shard_elements: int = Field(
+        2**14, ge=1, description="the default rule replicates smaller leaves (biases, scales)"
+    )
+
+    def sizes(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes over `num_devices` devices (the -1 resolved). Raises ValueError."""
+        given = {axis: getattr(self, axis) for axis in MESH_AXES}
+        bad = [f"{axis}={n}" for axis, n in given.items() if n == 0 or n < -1]
+        if bad:
+            raise ValueError(f"mesh {', '.join(bad)}: an axis size is >= 1, or -1 for the rest")
+        free = [axis for axis, n in given.items() if n == -1]
+        if len(free) > 1:
+            raise ValueError(f"mesh: only one axis may be -1, got {free}")
+        fixed = 1
+        for n in given.values():
+            fixed *= max(n, 1)
+        if free:
+            if num_devices % fixed:
+                raise ValueError(
+                    f"mesh {self.describe()}: the fixed axes ({fixed} devices) do not divide "
+                    f"the learner's {num_devices} devices"
+                )
+            given[free[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            raise ValueError(
+                f"mesh {self.describe()} spans {fixed} devices but the learner has "
+                f"{num_devices}; make the sizes multiply to {num_devices} or set one to -1"
+            )
+        return given
+
+    def describe(self) -> str:
+        return "{" + ", ".join(f"{a}: {getattr(self, a)}" for a in MESH_AXES) + "}"
 
 
 class LearnerGroupConfig(_Frozen):
@@ -57,6 +100,13 @@ class LearnerGroupConfig(_Frozen):
     speed: float = Field(1.0, gt=0, description="emulated speed factor; 0.82 is 18% slower")
     jitter: float = Field(0.0, ge=0, lt=1, description="relative per-step time noise (std)")
     cpus_per_host: float = Field(1.0, gt=0)
+    devices_per_host: int | None = Field(
+        None,
+        ge=1,
+        description="JAX devices a host trains on; default a TPU slice's chips per host, else 1 "
+        "(CPU hosts get that many emulated devices)",
+    )
+    mesh: MeshConfig = MeshConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +127,23 @@ class LearnerGroupConfig(_Frozen):
         return {**data, "topology": shape.topology, "num_hosts": shape.num_hosts}
 
     @property
+    def host_devices(self) -> int:
+        """JAX devices on each host of this learner."""
+        if self.devices_per_host is not None:
+            return self.devices_per_host
+        shape = self.slice_shape
+        return shape.chips_per_host if shape is not None else 1
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the learner's mesh: every device of every host."""
+        return self.num_hosts * self.host_devices
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        return self.mesh.sizes(self.num_devices)
+
+    @property
     def slice_shape(self) -> slices.SliceShape | None:
         """The TPU slice this learner runs on (None for CPU and GPU learners)."""
         if not self.accelerator.startswith("tpu") or self.topology is None:
@@ -94,10 +161,21 @@ class LearnerGroupConfig(_Frozen):
                 f"learner {self.name!r}: accelerator {self.accelerator} needs a topology "
                 "such as '2x2x2' (v5p) or '2x4' (v6e)"
             )
-        if self.batch_size % self.num_hosts:
+        shape = self.slice_shape
+        if shape is not None and self.host_devices != shape.chips_per_host:
             raise ValueError(
-                f"learner {self.name!r}: batch_size={self.batch_size} must divide evenly "
-                f"over num_hosts={self.num_hosts}"
+                f"learner {self.name!r}: devices_per_host={self.devices_per_host} but a "
+                f"{shape.pod_type} host has {shape.chips_per_host} chips; leave it out"
+            )
+        try:
+            sizes = self.mesh_sizes
+        except ValueError as err:
+            raise ValueError(f"learner {self.name!r}: {err}") from None
+        split = sizes["data"] * sizes["fsdp"]
+        if self.batch_size % split:
+            raise ValueError(
+                f"learner {self.name!r}: batch_size={self.batch_size} must divide over the "
+                f"mesh's data x fsdp = {split} devices; make it a multiple of {split}"
             )
         return self
 

@@ -63,7 +63,8 @@ def test_the_steps_since_the_last_offer_move_onto_the_new_version(setup: Setup, 
     assert core.tokens_since[p] == (3 * core.tokens_per_step if keep else 0)
     # The next offer carries that work, against the new version.
     _train(core, 1)
-    meta, _ = core._offer(p)
+    core._begin(p)
+    [(meta, _)] = core.collect_offers()
     assert meta.base_version == 1 and meta.num_steps == (4 if keep else 1)
 
 

@@ -227,26 +227,3 @@ def _snapshot(setup: Setup, version: int) -> dict:
         p: (version, {k: np.asarray(setup.init[k]) for k in paths})
         for p, paths in enumerate(setup.plan.fragments)
     }
-
-
-def test_an_spmd_learner_compiles_its_step_once(setup: Setup) -> None:
-    # Its fresh optimizer state must live where the step's outputs do (replicated on the
-    # mesh): Adam's counts on one device made the second call compile again, which cost a
-    # two-host learner 7 s per restart. (A one-process mesh shows the same type change.)
-    from ray_diloco.actors.spmd import SpmdLayout
-
-    cfg = setup.cfg
-    core = LearnerCore(
-        cfg,
-        cfg.learners[0],
-        setup.task,
-        setup.layout,
-        setup.plan,
-        _snapshot(setup, 0),
-        layout=SpmdLayout(),
-    )
-    core.train_step(*core.next_batch())
-    compiled = core.step_fn._cache_size()
-    core.train_step(*core.next_batch())
-    core.train_step(*core.next_batch())
-    assert core.step_fn._cache_size() == compiled
