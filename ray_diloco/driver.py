@@ -427,6 +427,7 @@ def _summary(
                 "incarnation": watched.get(n, {}).get("incarnation", 0),
                 "restarts": watched.get(n, {}).get("restarts", 0),
                 "seconds": sup["learner_seconds"].get(n, {}),
+                "layout": final.get(n, {}).get("layout"),  # its mesh and bytes per device
             }
             for n in names
         },

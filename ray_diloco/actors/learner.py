@@ -14,6 +14,7 @@ broadcasts its decisions to the others at every step boundary (`spmd.py`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -65,6 +66,7 @@ class LearnerHost:
         self.state = LearnerState.STARTING
         self._set_state(LearnerState.STARTING, "created")
         self.core: LearnerCore | None = None
+        self.layout: dict[str, Any] | None = None
         self.error: str | None = None
         self.counts = collections.Counter[str]()
         self.loss: float | None = None
@@ -116,6 +118,7 @@ class LearnerHost:
             "error": self.error,
             "stop_reason": self.stop_reason,
             "transitions": self.transitions[since_transition:],
+            "layout": self.layout,  # algorithm/sharding.LayoutReport, once the core is built
         }
 
     def leave(self, reason: str = "requested") -> None:
@@ -216,6 +219,7 @@ class LearnerHost:
     def _train(
         self, task: Any, tree: Any, link: Any, layout: Any, channel: SyncChannel | None, plan: Any
     ) -> None:
+        from ray_diloco.algorithm import sharding
         from ray_diloco.algorithm.learner_core import LearnerCore
         from ray_diloco.algorithm.leases import Lease
         from ray_diloco.sim import simulate
@@ -240,6 +244,9 @@ class LearnerHost:
             layout=layout,
         )
         self.core = core
+        self.layout = dataclasses.asdict(
+            sharding.layout_report(core.layout, core.tx, core.params, core.opt_state)
+        )
         clock = simulate.StepClock(cfg, lg, self.index)  # the reference run's seeded jitter
         self._set_state(LearnerState.COMPILING, "first step")
         while True:

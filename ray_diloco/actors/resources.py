@@ -83,8 +83,9 @@ def reserve_learner_group(
     `detached=True` lets the placement group outlive the creating driver (named
     `<name_prefix>-<learner>`), so a restarted supervisor can find or remove it. `emulated`
     marks TPU hosts that are CPU stand-ins (tests, laptops): their actors get
-    `JAX_PLATFORMS=cpu` and one CPU device per chip of the host (`cpu_devices_env`). Raises `PlacementTimeoutError` naming what is missing when the
-    group is not ready within `timeout_s`.
+    `JAX_PLATFORMS=cpu` and one CPU device per chip of the host (`cpu_devices_env`). Raises
+    `PlacementTimeoutError` naming what is missing when the group is not ready within
+    `timeout_s`.
     """
     name = f"{name_prefix}-{lg.name}" if name_prefix else lg.name
     lifetime = "detached" if detached else None

@@ -24,6 +24,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -51,7 +52,7 @@ class ShardingError(ValueError):
 # -- which spec each leaf gets ---------------------------------------------------------------
 
 
-def annotations(tree: Any) -> dict[str, tuple[Any, ...]]:
+def flax_annotations(tree: Any) -> dict[str, tuple[Any, ...]]:
     """The partitioning names Flax metadata gives the leaves of `tree` (abstract or concrete):
     NNX variables carry them as `out_sharding` (older Flax: `sharding`), Linen's
     `Partitioned` / `LogicallyPartitioned` boxes as `names`. Leaves without any are absent."""
@@ -179,14 +180,14 @@ def leaf_specs(
     """Every leaf's spec on a mesh of `sizes` (see the module docstring for the order);
     `abstract` is `task.init`'s output (shapes only), for its Flax metadata. Raises
     ShardingError naming the leaf."""
-    meta = annotations(abstract)
+    meta = flax_annotations(abstract)
     logical = tuple(task.logical_axis_rules)
     specs = {}
     for path in tree.paths:
         shape = tree.shapes[path]
         spec = _from_task(task, path, shape)
         if spec is None and path in meta:
-            spec = meta[path]  # type: ignore[assignment]
+            spec = PartitionSpec(*meta[path])
         if spec is None:
             spec = default_spec(shape, sizes["fsdp"], min_shard_elements)
         else:
@@ -371,3 +372,56 @@ def _init_fn(layout: ShardedLayout, tx: optax.GradientTransformation, moved: boo
         return optax.tree_utils.tree_set(state, count=step) if moved else state
 
     return jax.jit(init, out_shardings=layout.state_shardings(tx))
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    """How a learner's arrays sit on its mesh, measured on the live arrays of one host:
+    what one device holds of each leaf (`shards`: 0.25 is a quarter) and of the optimizer
+    state of each leaf (`state_shards`: the largest fraction over that leaf's moments)."""
+
+    mesh: dict[str, int]
+    num_devices: int
+    host_devices: int
+    param_bytes_per_device: int
+    state_bytes_per_device: int
+    shards: dict[str, float]
+    state_shards: dict[str, float]
+
+
+def layout_report(
+    layout: ShardedLayout,
+    tx: optax.GradientTransformation,
+    params: Mapping[str, jax.Array],
+    opt_state: Any,
+) -> LayoutReport:
+    def held(array: jax.Array) -> tuple[int, float]:
+        shard = array.addressable_shards[0].data
+        return shard.nbytes, shard.size / max(array.size, 1)
+
+    shards = {p: held(params[p]) for p in layout.tree.paths}
+    paths = layout.tree.unflatten({p: p for p in layout.tree.paths})
+    per_leaf = optax.tree_utils.tree_map_params(
+        tx,
+        lambda leaf, path: (path, held(leaf)),
+        opt_state,
+        paths,
+        transform_non_params=lambda leaf: ("", held(leaf)),
+    )
+    state_shards: dict[str, float] = {}
+    state_bytes = 0
+    for path, (nbytes, fraction) in jax.tree.leaves(
+        per_leaf, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+    ):
+        state_bytes += nbytes
+        if path:
+            state_shards[path] = max(state_shards.get(path, 0.0), fraction)
+    return LayoutReport(
+        mesh=dict(zip(layout.mesh.axis_names, layout.mesh.devices.shape, strict=True)),
+        num_devices=layout.num_devices,
+        host_devices=len(layout.mesh.local_devices),
+        param_bytes_per_device=sum(nbytes for nbytes, _ in shards.values()),
+        state_bytes_per_device=state_bytes,
+        shards={p: fraction for p, (_, fraction) in shards.items()},
+        state_shards=state_shards,
+    )

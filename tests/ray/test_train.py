@@ -337,16 +337,22 @@ def _scrape(url: str) -> str:
 
 
 @pytest.mark.timeout(150)
-def test_two_host_learner_matches_the_one_host_reference(ray_local: Any, tmp_path: Path) -> None:
-    # One learner on two hosts (jax.distributed over gloo, batch 8 split 4 + 4) against the
-    # reference run's single-process learner with the same batch of 8.
+def test_two_host_learner_shards_its_model_and_matches_the_one_process_reference(
+    ray_local: Any, tmp_path: Path
+) -> None:
+    # One learner on two hosts of two devices each (jax.distributed over gloo): one mesh of 4
+    # devices, every large leaf and both Adam moments a quarter per device, the batch of 8 split
+    # over all four; against the reference run's learner on 4 devices of this process.
     import yaml
 
     from ray_diloco.config import build_config
 
     tree = yaml.safe_load(TINY.read_text())
     tree.update(run_dir=str(tmp_path / "spmd"), token_budget=2560)
-    tree["learners"] = [{"name": "a", "batch_size": 8, "num_hosts": 2}]
+    mesh = {"min_shard_elements": 256}
+    tree["learners"] = [
+        {"name": "a", "batch_size": 8, "num_hosts": 2, "devices_per_host": 2, "mesh": mesh}
+    ]
     tree["synchronizer"]["name"] = "sync-spmd"
     cfg = build_config(tree)
     from ray_diloco.driver import run_training
@@ -354,10 +360,22 @@ def test_two_host_learner_matches_the_one_host_reference(ray_local: Any, tmp_pat
     two_hosts = run_training(cfg, progress=lambda line: None)
     from ray_diloco.sim.simulate import run_reference
 
-    one_host = run_reference(cfg)
-    assert two_hosts["rounds"] == one_host["rounds"] > 0
-    assert two_hosts["learners"]["a"]["inner_steps"] >= 20
-    assert two_hosts["heldout_loss"] == pytest.approx(one_host["heldout_loss"], rel=1e-4)
+    one_process = run_reference(cfg)
+    assert two_hosts["rounds"] == one_process["rounds"] > 0
+    learner = two_hosts["learners"]["a"]
+    assert learner["inner_steps"] >= 20
+    layout = learner["layout"]
+    assert (layout["num_devices"], layout["host_devices"]) == (4, 2)
+    large = [k for k, size in layout_sizes(cfg).items() if size >= 256]
+    assert large and all(layout["shards"][k] == 0.25 for k in large)
+    assert all(layout["state_shards"][k] == 0.25 for k in large)
+    assert two_hosts["heldout_loss"] == pytest.approx(one_process["heldout_loss"], rel=1e-4)
+
+
+def layout_sizes(cfg: RunConfig) -> dict[str, int]:
+    from ray_diloco.algorithm.setup import layout_of
+
+    return layout_of(cfg).sizes()
 
 
 def _fragment_offer_bytes(cfg: RunConfig) -> set[int]:

@@ -206,3 +206,17 @@ def test_default_rule_picks_the_largest_divisible_axis() -> None:
     assert sharding.default_spec((3072, 768), 4, 1) == P("fsdp", None)
     assert sharding.default_spec((768,), 4, 2**14) == P()
     assert sharding.default_spec((7, 9), 4, 1) == P()
+
+
+def test_the_layout_report_measures_the_live_arrays() -> None:
+    cfg = load_config(None, [*SHARDED, *_mesh(4)])
+    setup = Setup.build(cfg)
+    core = _core(cfg, setup)
+    report = sharding.layout_report(core.layout, core.tx, core.params, core.opt_state)
+    assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.num_devices == 4
+    large = {k for k in setup.layout.paths if setup.layout.sizes()[k] >= 256}
+    assert {k for k, f in report.shards.items() if f == 0.25} == large
+    assert {k for k, f in report.state_shards.items() if f == 0.25} == large
+    whole = 4 * setup.layout.num_params()
+    assert whole / 4 <= report.param_bytes_per_device < whole / 2
+    assert 2 * whole / 4 <= report.state_bytes_per_device < whole  # two moments, plus counts
