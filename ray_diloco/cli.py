@@ -11,6 +11,7 @@
   ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
   ray-diloco plan --config jobs/cluster-gke.yaml [--cluster FILE ...] dry run on a real cluster:
                                                                        placement, link loads,
+                                                                       memory per chip,
                                                                        problems (exit 1 if any)
 
 Printing to the terminal happens here (and in the progress display) only.
@@ -78,11 +79,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not paths:
         raise ConfigError("no cluster file: pass --cluster FILE or set cluster.files in the job")
     cluster = files.read_cluster_files(paths)
-    # The fragment plan evaluates parameter shapes only; never let JAX open an accelerator.
+    # The fragment plan and the learners' memory evaluate shapes only; never let JAX open an
+    # accelerator.
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from ray_diloco.algorithm.setup import fragment_plan
+    from ray_diloco.algorithm.memory import learner_memory
+    from ray_diloco.algorithm.setup import fragment_plan, task_of
 
-    result = plan.make_plan(cfg, cluster, fragment_plan(cfg).sizes)
+    task = task_of(cfg)
+    result = plan.make_plan(cfg, cluster, fragment_plan(cfg, task).sizes, learner_memory(cfg, task))
     print(plan.render(result))
     return 1 if result.problems else 0
 
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
     sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
     plan = sub.add_parser(
-        "plan", help="dry run on a real cluster: placement, link loads, problems; starts nothing"
+        "plan",
+        help="dry run on a real cluster: placement, link loads, memory per chip, problems; "
+        "starts nothing",
     )
     _add_config_args(plan)
     plan.add_argument(

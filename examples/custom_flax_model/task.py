@@ -23,6 +23,7 @@ from flax import nnx
 from ray_diloco import Task
 
 VOCAB = 128  # ASCII; anything else becomes "?"
+KERNEL = nnx.initializers.lecun_normal()
 
 
 class CharMLP(nnx.Module):
@@ -30,8 +31,18 @@ class CharMLP(nnx.Module):
 
     def __init__(self, context: int, width: int, rngs: nnx.Rngs) -> None:
         self.embed = nnx.Embed(VOCAB, 32, rngs=rngs)
-        self.hidden = nnx.Linear(context * 32, width, rngs=rngs)
-        self.out = nnx.Linear(width, VOCAB, rngs=rngs)
+        # Sharding annotations name the learner's mesh axes (data, fsdp, tensor): the hidden
+        # kernel is split over fsdp on its input axis and tensor on its output axis; leaves
+        # without one get the default (FSDP on the largest axis, or replicated when small).
+        self.hidden = nnx.Linear(
+            context * 32,
+            width,
+            kernel_init=nnx.with_partitioning(KERNEL, ("fsdp", "tensor")),
+            rngs=rngs,
+        )
+        self.out = nnx.Linear(
+            width, VOCAB, kernel_init=nnx.with_partitioning(KERNEL, ("tensor", None)), rngs=rngs
+        )
 
     def __call__(self, chars: jax.Array) -> jax.Array:
         h = self.embed(chars).reshape(chars.shape[0], -1)
@@ -77,7 +88,10 @@ class TextWindows:
 
 def make_task(files: str = "**/*.py", context: int = 8, width: int = 256, lr: float = 3e-3) -> Task:
     """The factory ray_diloco calls (with `task_args` as keyword arguments) in every process."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: CharMLP(context, width, nnx.Rngs(0))))
+    # ray_diloco lays the annotated leaves out itself, so variables are not sharded as they
+    # are created (Flax >= 0.12 would want a mesh in context for that).
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: CharMLP(context, width, nnx.Rngs(0))))
 
     def init(rng: jax.Array) -> nnx.State:
         return nnx.state(CharMLP(context, width, nnx.Rngs(rng)))

@@ -1,7 +1,8 @@
 """The task contract with Linen-style parameters: a `flax.linen` MLP whose parameters are the
 nested `{"params": {"Dense_0": {"kernel", "bias"}, ...}}` dict Linen users already have,
 classifying points of two interleaved spirals (generated, no download). ray_diloco fragments
-that dict by key path like any other pytree.
+that dict by key path like any other pytree, and lays each kernel out over the learner's mesh
+by its `nn.with_logical_partitioning` names and the task's `logical_axis_rules`.
 
     task: examples.linen_params.task:make_task
 """
@@ -20,6 +21,12 @@ import optax
 from ray_diloco import Task
 
 
+# Linen's logical partitioning: each kernel names its axes; `logical_axis_rules` below maps
+# the names onto the learner's mesh axes (data, fsdp, tensor).
+HIDDEN = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+RULES = (("embed", "fsdp"), ("mlp", "tensor"))
+
+
 class Mlp(nn.Module):
     width: int
     depth: int
@@ -27,7 +34,7 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         for _ in range(self.depth):
-            x = nn.gelu(nn.Dense(self.width)(x))
+            x = nn.gelu(nn.Dense(self.width, kernel_init=HIDDEN)(x))
         return nn.Dense(2)(x)
 
 
@@ -77,4 +84,5 @@ def make_task(width: int = 64, depth: int = 3, pool: int = 16384, seed: int = 0)
         loss=loss,
         data=SpiralData(pool, seed),
         name="linen_spirals",  # no optimizer: the config's AdamW (`inner:`) is used
+        logical_axis_rules=RULES,
     )

@@ -170,6 +170,8 @@ class LearnerHost:
         from ray_diloco.actors import spmd
 
         try:
+            # Before JAX starts: an emulated slice's host gets one CPU device per chip.
+            os.environ.update(spmd.emulation_env(self.lg))
             use_compilation_cache(self.cfg)  # a restarted incarnation loads, not compiles
             if self.num_hosts > 1:
                 assert coordinator is not None, "a multi-host learner needs a coordinator"

@@ -83,9 +83,8 @@ def reserve_learner_group(
     `detached=True` lets the placement group outlive the creating driver (named
     `<name_prefix>-<learner>`), so a restarted supervisor can find or remove it. `emulated`
     marks TPU hosts that are CPU stand-ins (tests, laptops): their actors get
-    `JAX_PLATFORMS=cpu` and one CPU device per chip of the host (`cpu_devices_env`). Raises
-    `PlacementTimeoutError` naming what is missing when the group is not ready within
-    `timeout_s`.
+    `JAX_PLATFORMS=cpu`. Raises `PlacementTimeoutError` naming what is missing when the
+    group is not ready within `timeout_s`.
     """
     name = f"{name_prefix}-{lg.name}" if name_prefix else lg.name
     lifetime = "detached" if detached else None
@@ -135,13 +134,6 @@ def placement_state(placement: LearnerPlacement) -> str:
     return str(table.get("state", "UNKNOWN"))
 
 
-def cpu_devices_env(num_devices: int) -> dict[str, str]:
-    """A host's environment for JAX on the CPU with `num_devices` devices: how an emulated
-    slice's host gets one device per chip, so the learner's mesh is the real one's."""
-    flags = f"--xla_force_host_platform_device_count={num_devices}"
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-
-
 def actor_runtime_env(env: dict[str, str] | None = None) -> dict[str, Any]:
     """The `runtime_env` of every actor of a run: `ACTOR_ENV` plus `env`."""
     return {"env_vars": {**ACTOR_ENV, **(env or {})}}
@@ -177,7 +169,7 @@ def _reserve_plain(
     if not _wait_ready(pg, lg.name, deadline):
         remove_placement_group(pg)  # a pending PG would grab resources later
         raise PlacementTimeoutError(_timeout_message(lg, timeout_s, n, bundle))
-    env = cpu_devices_env(lg.host_devices) if lg.accelerator == "cpu" else None
+    env = {"JAX_PLATFORMS": "cpu"} if lg.accelerator == "cpu" else None
     opts = tuple(_options(pg, i, bundle, env) for i in range(n))
     return LearnerPlacement(lg.name, lg.accelerator, lg.region, pg, opts, bundle)
 
@@ -222,7 +214,7 @@ def _reserve_tpu(
             handle = _try_slice(lg.name, spec, sel, share)
             if handle is not None and handle.placement_group is not None:
                 pg = handle.placement_group
-                env = cpu_devices_env(shape.chips_per_host) if emulated else None
+                env = {"JAX_PLATFORMS": "cpu"} if emulated else None
                 chips = {TPU_RESOURCE: float(bundle[TPU_RESOURCE])}
                 opts = tuple(_options(pg, i, bundle, env, chips) for i in range(n))
                 return LearnerPlacement(

@@ -15,7 +15,9 @@ A learner with one host uses `LocalLink`, which passes everything through.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +55,27 @@ def shutdown() -> None:
     import jax
 
     jax.distributed.shutdown()
+
+
+def emulation_env(lg: LearnerGroupConfig, has_tpu: bool | None = None) -> dict[str, str]:
+    """What this host's environment needs before JAX starts for the learner's mesh to have
+    `lg.host_devices` devices here: a CPU learner, or a TPU learner on a host without the TPU
+    runtime (an emulated slice: tests, laptops), runs JAX on the CPU with one device per chip.
+    A real TPU or GPU host needs nothing. `has_tpu` None: whether libtpu is installed."""
+    if lg.accelerator.startswith("tpu"):
+        if has_tpu is None:
+            has_tpu = importlib.util.find_spec("libtpu") is not None
+        if has_tpu:
+            return {}
+    elif lg.accelerator != "cpu":
+        return {}
+    flags = [
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={lg.host_devices}")
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
 
 
 def learner_devices(lg: LearnerGroupConfig) -> list[Any]:

@@ -10,17 +10,24 @@ the run's fragment plan it works out what a run would do before anyone pays for 
   (`learner_link_loads`), against the link's bandwidth (`links`: emulated, `cluster.links`:
   the real network);
 - an estimate of the synchronizer's memory (`synchronizer_memory_bytes`) against the head's;
+- each learner's bytes per chip (parameters, gradients, optimizer state and activations on its
+  mesh) against its chip's HBM: figures `ray-diloco plan` computes with JAX
+  (`algorithm/memory.py`, shapes only) and passes in as numbers, as it does the fragment sizes;
 - every problem found on the way, the cluster files' own included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ray_diloco.algorithm import wire
 from ray_diloco.cluster.files import ClusterSpec, HeadNode, SlicePool
 from ray_diloco.config import LearnerGroupConfig, LinkConfig, RunConfig, WireDtype
+
+if TYPE_CHECKING:  # plain numbers; the module that computes them needs JAX, this one must not
+    from ray_diloco.algorithm.memory import ChipMemory
 
 LOCAL_REGION = "local"
 # Ray keeps 30% of a node's memory for its object store by default; the head's GCS, dashboard,
@@ -70,11 +77,25 @@ class Plan:
     sites: list[LearnerSite] = field(default_factory=list)
     loads: list[LinkLoad] = field(default_factory=list)
     sync_memory: int = 0
+    chip_memory: Mapping[str, ChipMemory] = field(default_factory=dict)  # by learner name
     problems: list[str] = field(default_factory=list)
 
 
-def make_plan(cfg: RunConfig, cluster: ClusterSpec, fragment_sizes: Sequence[int]) -> Plan:
-    plan = Plan(cfg, cluster, sum(fragment_sizes), tuple(fragment_sizes))
+def make_plan(
+    cfg: RunConfig,
+    cluster: ClusterSpec,
+    fragment_sizes: Sequence[int],
+    chip_memory: Mapping[str, ChipMemory] | None = None,
+) -> Plan:
+    """The plan of `cfg` on `cluster`; `chip_memory` (`algorithm.memory.learner_memory`)
+    adds each learner's memory row and its check against the chip's HBM."""
+    plan = Plan(
+        cfg,
+        cluster,
+        sum(fragment_sizes),
+        tuple(fragment_sizes),
+        chip_memory=dict(chip_memory or {}),
+    )
     plan.problems += cluster.problems
     plan.head = _head(cfg, cluster, plan.problems)
     plan.sites = _place_learners(cfg, cluster, plan.problems)
@@ -83,6 +104,8 @@ def make_plan(cfg: RunConfig, cluster: ClusterSpec, fragment_sizes: Sequence[int
         _check_link(load, plan.problems)
     plan.sync_memory = synchronizer_memory_bytes(cfg, plan.num_params)
     _check_memory(plan)
+    for i, lg in enumerate(cfg.learners):
+        _check_chip_memory(i, lg, plan.chip_memory.get(lg.name), plan.problems)
     return plan
 
 
@@ -274,6 +297,56 @@ def _check_memory(plan: Plan) -> None:
         )
 
 
+def _check_chip_memory(
+    index: int, lg: LearnerGroupConfig, mem: ChipMemory | None, problems: list[str]
+) -> None:
+    """A TPU learner whose chip cannot hold its share is a problem; the fixes offered are the
+    ones that lower that share: sharding what `data` replicates, more chips, fewer examples
+    per chip (activations only, while a chip has more than one)."""
+    shape = lg.slice_shape
+    if mem is None or shape is None or mem.total <= shape.hbm_bytes:
+        return
+    fixes = ["use a bigger slice"]
+    if lg.mesh_sizes["data"] > 1:
+        mesh = f"learners.{index}.mesh"
+        axes = f"{mesh}.data=1" if lg.mesh.tensor == -1 else f"{mesh}.data=1, {mesh}.fsdp=-1"
+        fixes.insert(0, f"shard it ({axes})")
+    if mem.activations and mem.examples > 1:
+        fixes.append(f"a smaller batch (learners.{index}.batch_size)")
+    bound = "" if mem.activations is not None else "at least "
+    problems.append(
+        f"learner {lg.name!r}: {bound}{_gb(mem.total)} per chip (params {_gb(mem.params)}, "
+        f"grads {_gb(mem.grads)}, optimizer {_gb(mem.opt_state)}, {_activations(mem)}) "
+        f"exceeds a {shape.version} chip's {_hbm(shape.hbm_bytes)} HBM; "
+        f"{', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}"
+    )
+
+
+def _activations(mem: ChipMemory) -> str:
+    if mem.activations is None:
+        return f"activations not estimated: the task's data is not readable here ({mem.unread})"
+    per = "example" if mem.examples == 1 else "examples"
+    return f"activations {_gb(mem.activations)} at {mem.examples} {per} per chip"
+
+
+def _memory_row(lg: LearnerGroupConfig, mem: ChipMemory) -> str:
+    shape = lg.slice_shape
+    hbm = (
+        f"of a {shape.version} chip's {_hbm(shape.hbm_bytes)} HBM"
+        if shape is not None
+        else f"({lg.accelerator}: the device's memory is not known here, not checked)"
+    )
+    if mem.activations is None:
+        return (
+            f"per chip: params+grads+optimizer {_gb(mem.held)}, {_activations(mem)}; total at "
+            f"least {_gb(mem.total)} {hbm}"
+        )
+    return (
+        f"per chip: params+grads+optimizer {_gb(mem.held)}, {_activations(mem)} (what backprop "
+        f"keeps); total {_gb(mem.total)} {hbm}"
+    )
+
+
 def render(plan: Plan) -> str:
     cfg, head = plan.cfg, plan.head
     d = cfg.diloco
@@ -308,6 +381,9 @@ def render(plan: Plan) -> str:
             f"  {lg.name:<10} {what} in {lg.region}{zone}; {site.strategy}",
             f"  {'':<10} {where}",
         ]
+        mem = plan.chip_memory.get(lg.name)
+        if mem is not None:
+            lines.append(f"  {'':<10} {_memory_row(lg, mem)}")
     lines.append(
         f"links to the synchronizer at step_time_s={cfg.step_time_s:g} "
         f"(down: at most, every round with K contributions):"
@@ -326,6 +402,15 @@ def render(plan: Plan) -> str:
 
 def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e6:.2f} MB/s ({bytes_per_s * 8 / 1e6:.1f} Mbps)"
+
+
+def _gb(nbytes: int) -> str:
+    """Chip memory in GB of 10**9 bytes, the unit Google's TPU docs give HBM in."""
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def _hbm(nbytes: int) -> str:
+    return f"{nbytes / 1e9:g} GB"
 
 
 def _size(nbytes: int | None) -> str:

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 GKE_ACCELERATORS = {"tpu-v5p": "tpu-v5p-slice", "tpu-v6e": "tpu-v6e-slice"}
 # TensorCores per chip: the "pod type" v5p-16 counts cores (8 chips), v6e-8 counts chips.
 _CORES_PER_CHIP = {"tpu-v5p": 2, "tpu-v6e": 1}
+# HBM per chip, bytes, as Google's TPU docs give it (cloud.google.com/tpu/docs/v5p: 95 GB,
+# /v6e: 32 GB): what `ray-diloco plan` checks a learner's per-chip memory against.
+_HBM_BYTES_PER_CHIP = {"tpu-v5p": 95 * 10**9, "tpu-v6e": 32 * 10**9}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class SliceShape:
     def version(self) -> str:
         """Ray's accelerator version: "v5p", "v6e"."""
         return self.accelerator.removeprefix("tpu-")
+
+    @property
+    def hbm_bytes(self) -> int:
+        """HBM of one chip of the slice."""
+        return _HBM_BYTES_PER_CHIP[self.accelerator]
 
     @property
     def chips(self) -> int:

@@ -38,6 +38,10 @@ class ModelConfig(BaseModel):
     d_ff: int = Field(384, ge=8)
     seq_len: int = Field(64, ge=4)
     tie_embeddings: bool = False
+    remat: bool = Field(
+        False,
+        description="recompute each block in the backward pass: activations of its input only",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -123,6 +127,7 @@ class _Transformer(nnx.Module):
         # Static flag (not a data attribute): NNX forbids flipping an attribute between a module
         # and None, and the graph structure must be fixed per config anyway.
         self.tie_embeddings = cfg.tie_embeddings
+        self.remat = cfg.remat
         if not cfg.tie_embeddings:
             self.unembed = nnx.Linear(
                 cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, rngs=rngs
@@ -131,8 +136,9 @@ class _Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         t = tokens.shape[1]
         h = self.embed(tokens) + self.pos_embed[...][:t]
+        run = nnx.remat(_Block.__call__) if self.remat else _Block.__call__
         for block in self.blocks:
-            h = block(h)
+            h = run(block, h)
         h = self.ln_f(h)
         if self.tie_embeddings:
             return self.embed.attend(h)  # tied: logits = h @ embed.T

@@ -1,5 +1,7 @@
 """`ray-diloco plan`: its output and exit codes, its fragment bytes against the real wire
-encoding, its memory check. (Its link loads against the reference run's bytes: test_simulate.)"""
+encoding, its memory checks: the synchronizer's against the head, each learner's per chip
+against its chip's HBM. (Its link loads against the reference run's bytes: test_simulate; the
+per-chip figures against counts by hand: test_memory.)"""
 
 from __future__ import annotations
 
@@ -9,8 +11,14 @@ import numpy as np
 import pytest
 
 from ray_diloco import cli
+from ray_diloco.algorithm.memory import ChipMemory
 from ray_diloco.cluster.files import ClusterSpec, HeadNode
-from ray_diloco.cluster.plan import fragment_wire_bytes, make_plan, synchronizer_memory_bytes
+from ray_diloco.cluster.plan import (
+    fragment_wire_bytes,
+    make_plan,
+    render,
+    synchronizer_memory_bytes,
+)
 from ray_diloco.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +52,10 @@ def test_plan_of_the_gke_job(capsys: pytest.CaptureFixture[str]) -> None:
     v6e = _learner(out, "v6e-0")
     assert "2 host(s) x 4 chips" in v6e and "worker group 'v6e-2x4'" in v6e
     assert "us-east5-b" in v6e and "bundle i on TPU worker i" in v6e
+    # The job's corpus is on the pods: the chips' rows say what they could not estimate here.
+    row = _memory_row(out, "v6e-0")
+    assert "activations not estimated: the task's data is not readable here" in row, row
+    assert "total at least 0.2 GB of a v6e chip's 32 GB HBM" in row, row
 
 
 def test_plan_of_the_multi_region_job_and_a_shape_mismatch(
@@ -124,3 +136,74 @@ def test_a_head_too_small_for_the_synchronizer_is_a_problem() -> None:
     big = HeadNode("test head", "r1", None, 8, 2**40, False)
     plan = make_plan(cfg, ClusterSpec(("test",), (big,), (), ()), [5 * 10**8, 5 * 10**8])
     assert plan.problems == []
+
+
+# ~1.2B parameters, 512-token windows, 32 sequences a step on each learner: 4 per chip of 8.
+ONE_B = [
+    "--set",
+    "task_args.model={vocab_size: 256, d_model: 2048, num_layers: 24, num_heads: 16, "
+    "d_ff: 8192, seq_len: 512}",
+    "--set",
+    "task_args.data.source=synthetic",  # the job's corpus is on the pods; the same shapes
+    "--set",
+    "learners.0.batch_size=32",
+    "--set",
+    "learners.1.batch_size=32",
+]
+REPLICATED_V6E = ["--set", "learners.1.mesh.data=-1", "--set", "learners.1.mesh.fsdp=1"]
+
+
+def _memory_row(out: str, name: str) -> str:
+    lines = out.splitlines()
+    (i,) = [i for i, ln in enumerate(lines) if ln.strip().startswith(name)]
+    return lines[i + 2]
+
+
+def test_a_1b_model_fits_sharded_and_is_refused_replicated_on_v6e(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, err = _plan(capsys, "--config", "jobs/cluster-gke.yaml", *ONE_B)
+    assert (rc, err) == (0, ""), out
+    assert "model: 1,210,157,056 parameters" in out and "problems: none" in out
+    for name, chip in (("v5p-0", "a v5p chip's 95 GB"), ("v6e-0", "a v6e chip's 32 GB")):
+        row = _memory_row(out, name)
+        assert "params+grads+optimizer 2.4 GB" in row and "at 4 examples per chip" in row, row
+        assert f"total 22.2 GB of {chip} HBM" in row, row
+    rc, out, err = _plan(capsys, "--config", "jobs/cluster-gke.yaml", *ONE_B, *REPLICATED_V6E)
+    assert (rc, err) == (1, ""), out
+    assert "params+grads+optimizer 19.4 GB" in _memory_row(out, "v6e-0")
+    assert "total 22.2 GB" in _memory_row(out, "v5p-0")  # the other learner is unchanged
+    assert "problems: 1" in out
+    (problem,) = [ln for ln in out.splitlines() if ln.startswith("  - ")]
+    assert problem == (
+        "  - learner 'v6e-0': 39.2 GB per chip (params 4.8 GB, grads 4.8 GB, optimizer 9.7 GB, "
+        "activations 19.8 GB at 4 examples per chip) exceeds a v6e chip's 32 GB HBM; shard it "
+        "(learners.1.mesh.data=1, learners.1.mesh.fsdp=-1), use a bigger slice or a smaller "
+        "batch (learners.1.batch_size)"
+    )
+
+
+def test_chip_memory_is_checked_against_the_chip_s_hbm_only() -> None:
+    cfg = load_config(
+        "jobs/cluster-gke.yaml", ["learners.1.mesh.data=-1", "learners.1.mesh.fsdp=1"]
+    )
+    head = HeadNode("test head", "us-east5", None, 8, 2**40, False)
+    spec = ClusterSpec(("test",), (head,), (), ())
+    at_most = ChipMemory(31 * 10**9, 0, 0, 10**9, 1)  # exactly a v6e chip's 32 GB
+    over = ChipMemory(33 * 10**9, 0, 0, None, 32, unread="OSError: no corpus")
+    plan = make_plan(cfg, spec, [1000], {"v5p-0": over, "v6e-0": at_most})
+    assert [p for p in plan.problems if "per chip" in p] == []  # 33 GB is no problem on v5p
+    plan = make_plan(cfg, spec, [1000], {"v5p-0": at_most, "v6e-0": over})
+    (problem,) = [p for p in plan.problems if "per chip" in p]
+    assert problem.startswith("learner 'v6e-0': at least 33.0 GB per chip (")
+    assert "activations not estimated: the task's data is not readable here (OSError" in problem
+    assert problem.endswith(
+        "32 GB HBM; shard it (learners.1.mesh.data=1, "
+        "learners.1.mesh.fsdp=-1) or use a bigger slice"
+    )
+    cpu = load_config(TINY, ["synchronizer.region=r1"])
+    head = HeadNode("test head", "r1", None, 8, 2**40, False)
+    huge = ChipMemory(10**15, 10**15, 10**15, 10**15, 8)
+    plan = make_plan(cpu, ClusterSpec(("test",), (head,), (), ()), [1000], {"a": huge, "b": huge})
+    assert plan.problems == []  # a CPU device's memory is not known: printed, not checked
+    assert "memory is not known here, not checked" in render(plan)

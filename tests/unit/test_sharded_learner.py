@@ -220,3 +220,18 @@ def test_the_layout_report_measures_the_live_arrays() -> None:
     whole = 4 * setup.layout.num_params()
     assert whole / 4 <= report.param_bytes_per_device < whole / 2
     assert 2 * whole / 4 <= report.state_bytes_per_device < whole  # two moments, plus counts
+
+
+def test_an_emulated_slice_host_gets_one_cpu_device_per_chip(monkeypatch: pytest.MonkeyPatch):
+    from ray_diloco.actors.spmd import emulation_env
+    from ray_diloco.config import LearnerGroupConfig
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
+    v5p = LearnerGroupConfig(name="v5p", accelerator="tpu-v5p", topology="2x2x2", batch_size=8)
+    env = emulation_env(v5p, has_tpu=False)
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    assert emulation_env(v5p, has_tpu=True) == {}  # a real slice: its TPU runtime decides
+    cpu = LearnerGroupConfig(name="c", devices_per_host=2, batch_size=8)
+    assert emulation_env(cpu)["XLA_FLAGS"].endswith("device_count=2")
+    assert emulation_env(LearnerGroupConfig(name="g", accelerator="gpu")) == {}
