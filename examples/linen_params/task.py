@@ -20,7 +20,6 @@ import optax
 
 from ray_diloco import Task
 
-
 # Linen's logical partitioning: each kernel names its axes; `logical_axis_rules` below maps
 # the names onto the learner's mesh axes (data, fsdp, tensor).
 HIDDEN = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))

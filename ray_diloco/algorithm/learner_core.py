@@ -382,9 +382,7 @@ class LearnerCore:
             delta = {k: theta[k] - offer.base[k] for k in offer.base}
             p = offer.meta.fragment
             if not all(np.isfinite(v).all() for v in delta.values()):
-                logger.warning(
-                    "learner %s: fragment %d is not finite, not offered", self.name, p
-                )
+                logger.warning("learner %s: fragment %d is not finite, not offered", self.name, p)
                 if self.outstanding.get(p) == (offer.meta.step, offer.meta.base_version):
                     del self.outstanding[p]
                 if self.last_offer.get(p) is offer:
