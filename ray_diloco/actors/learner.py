@@ -28,7 +28,7 @@ from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.actors.host_faults import HostFaults
 from ray_diloco.actors.learner_channel import Fenced, SyncChannel
 from ray_diloco.config import LearnerGroupConfig, RunConfig
-from ray_diloco.control.events import LearnerState
+from ray_diloco.control.events import LearnerState, StopReason
 from ray_diloco.log import setup_logging
 from ray_diloco.metrics import Metrics
 
@@ -60,7 +60,8 @@ class LearnerHost:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._incoming: list[Message] = []  # received, not yet at a boundary
-        self.stop_reason = ""
+        self.stop_reason = StopReason.REQUESTED  # why the loop ends, once `_stop` is set
+        self.stop_detail = ""  # the same in words, for people
         self._leaving = False
         self.transitions: list[dict[str, Any]] = []
         self.state = LearnerState.STARTING
@@ -116,7 +117,8 @@ class LearnerHost:
             "loss": self.loss,
             "counts": dict(self.counts),
             "error": self.error,
-            "stop_reason": self.stop_reason,
+            "stop_reason": self.stop_reason.value,
+            "stop_detail": self.stop_detail,
             "transitions": self.transitions[since_transition:],
             "layout": self.layout,  # algorithm/sharding.LayoutReport, once the core is built
         }
@@ -125,12 +127,14 @@ class LearnerHost:
         """Leave the run for good at the next step boundary: host 0 first sends a last
         report and every fragment with unsent work (a graceful leave loses nothing)."""
         self._leaving = True
-        self.stop(f"left: {reason}")
+        self.stop(StopReason.LEFT, f"left: {reason}")
 
-    def stop(self, reason: str = "stopped by the driver") -> None:
+    def stop(
+        self, reason: StopReason = StopReason.REQUESTED, detail: str = "stopped by the driver"
+    ) -> None:
         """Finish at the next step boundary (in a multi-host learner, host 0 decides)."""
         if not self._stop.is_set():
-            self.stop_reason = reason
+            self.stop_reason, self.stop_detail = reason, detail
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
@@ -146,7 +150,8 @@ class LearnerHost:
             "node_id": ctx.get_node_id(),
             "state": self.state.value,
             "step": self.core.step if self.core else 0,
-            "stop_reason": self.stop_reason,
+            "stop_reason": self.stop_reason.value,
+            "stop_detail": self.stop_detail,
             "error": self.error,
         }
 
@@ -178,7 +183,7 @@ class LearnerHost:
                 spmd.initialize(coordinator, self.num_hosts, self.host_index)
             self._run()
         except Fenced as err:
-            self.stop_reason = str(err)
+            self.stop_reason, self.stop_detail = StopReason.FENCED, str(err)
             logger.warning("learner %s: %s", self.name, err)
         except Exception as err:
             self.error = traceback.format_exc()
@@ -186,7 +191,7 @@ class LearnerHost:
             self._set_state(LearnerState.DEAD, f"{type(err).__name__}: {err}")
             return
         done = LearnerState.LEFT if self._leaving else LearnerState.FINISHED
-        self._set_state(done, self.stop_reason or "stopped")
+        self._set_state(done, self.stop_detail or self.stop_reason)
 
     def _run(self) -> None:
         from ray_diloco.actors import spmd

@@ -41,6 +41,7 @@ from ray_diloco.actors.delay import DelayedCalls
 from ray_diloco.actors.errors import classify_ray_error
 from ray_diloco.actors.sync_shards import shard_handles
 from ray_diloco.config import LearnerGroupConfig, RunConfig
+from ray_diloco.control.events import StopReason
 
 if TYPE_CHECKING:
     from ray_diloco.algorithm.learner_core import LearnerCore
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 MAX_REPORTS_IN_FLIGHT = 16
 REGISTER_TIMEOUT_S = 300.0
-Stop = Callable[[str], None]
+Stop = Callable[[StopReason, str], None]  # LearnerHost.stop
 Offer = tuple["ContributionMeta", dict[str, Any]]
 Held = Callable[["LearnerCore"], dict[int, tuple[int, Any]]]
 
@@ -111,7 +112,7 @@ class SyncChannel:
         reply["finished"] = any(r["finished"] for r in replies)
         self.owner = fragment_owners(reply["plan"].sizes, len(self.shards))
         if reply["finished"]:
-            stop("token budget reached before this learner started")
+            stop(StopReason.BUDGET, "token budget reached before this learner started")
         return reply
 
     def _register(self, shard: int, held: Any) -> dict[str, Any]:
@@ -142,7 +143,7 @@ class SyncChannel:
         held = ([lease.as_tuple() for lease in reader.queue], reader.offset, core.cursor, versions)
         reply = self._register(shard, held)
         if reply["finished"]:
-            stop("token budget reached")
+            stop(StopReason.BUDGET, "token budget reached")
         self._provide(shard, fragments, reply["wanted"])
         # A fragment it holds newer than the restored one (which the shard is recovering from
         # the learners) is taken at its own version, the others at the shard's; one whose base
@@ -222,7 +223,7 @@ class SyncChannel:
                 logger.warning("learner %s: report failed (%s): %s", self.name, kind, err)
                 continue
             if reply["stop"]:
-                stop("token budget reached")
+                stop(StopReason.BUDGET, "token budget reached")
             elif not reply["ok"]:
                 self._rejoin(core, stop, shard)
             else:

@@ -156,7 +156,7 @@ def _reserve_plain(
 ) -> LearnerPlacement:
     bundle = {"CPU": float(lg.cpus_per_host)}
     if lg.accelerator == "gpu":
-        bundle["GPU"] = 1.0
+        bundle["GPU"] = float(lg.host_devices)  # the host's mesh: every GPU it was given
     n = lg.num_hosts
     selector = [{REGION_LABEL: lg.region}] * n if lg.region != LOCAL_REGION else None
     pg = placement_group(

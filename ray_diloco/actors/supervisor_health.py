@@ -15,7 +15,15 @@ from typing import Any
 from ray_diloco.actors.membership import lost_nodes
 from ray_diloco.actors.sync_watch import ShardWatch
 from ray_diloco.control.degradation import DegradationMonitor
-from ray_diloco.control.events import LOOP_ENDED, Event, FailureKind, LearnerState, WorkLost
+from ray_diloco.control.events import (
+    LOOP_ENDED,
+    Event,
+    FailureKind,
+    LearnerState,
+    StopReason,
+    WorkLost,
+)
+from ray_diloco.control.policy import restart_after_stop
 from ray_diloco.control.supervision import Command, Supervision
 
 logger = logging.getLogger(__name__)
@@ -43,11 +51,11 @@ class HealthDuty:
             error = (reply.get("error") or "").strip().splitlines()
             self._failed(name, inc, FailureKind.CRASH, now, error[-1] if error else "dead")
         elif state == "finished":
-            reason = str(reply.get("stop_reason") or "")
-            if self._run_over or "token budget" in reason:
-                self._record_all(self.control.finished(name, now, reason or "budget"))
-            else:  # it left the run on its own (fenced, synchronizer gone): start it again
-                self._failed(name, inc, FailureKind.CRASH, now, f"stopped: {reason}")
+            reason, detail = StopReason(reply["stop_reason"]), str(reply.get("stop_detail", ""))
+            if restart_after_stop(reason, self._run_over):
+                self._failed(name, inc, FailureKind.CRASH, now, f"stopped: {detail or reason}")
+            else:
+                self._record_all(self.control.finished(name, now, detail or reason))
         else:
             reported = LearnerState(state) if host == 0 else None
             changes = self.control.heartbeat(name, inc, now, host, reported)

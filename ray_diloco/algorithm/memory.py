@@ -10,6 +10,7 @@ without JAX): the command computes the figures here and hands the plan the numbe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,11 +78,8 @@ def example_activation_bytes(task: Task, tree: TreeLayout, example: Any) -> int:
             f"task: {task.name}: its loss on one example cannot be traced: "
             f"{type(err).__name__}: {err}"
         ) from None
-    return sum(
-        int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-        for aval, source in residuals
-        if not source.startswith("from the argument")
-    )
+    kept: list[Any] = [a for a, source in residuals if not source.startswith("from the argument")]
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in kept)
 
 
 def learner_memory(cfg: RunConfig, task: Task | None = None) -> dict[str, ChipMemory]:

@@ -31,6 +31,16 @@ class LearnerState(enum.StrEnum):
     LEFT = "left"  # left the run on purpose (a request, a drained node, retired): no failure
 
 
+class StopReason(enum.StrEnum):
+    """Why a learner's loop ended of its own accord, carried from where it stops to where the
+    supervisor decides (`policy.restart_after_stop`); the words beside it are for people."""
+
+    BUDGET = "budget"  # the run's token budget was reached: a normal finish
+    REQUESTED = "requested"  # the driver or the supervisor asked it to stop
+    LEFT = "left"  # it left the run on purpose (a request, a drained node)
+    FENCED = "fenced"  # the synchronizer no longer accepts this incarnation
+
+
 # A host's loop has ended in these (learner.py sets one of them last): it will not step again.
 LOOP_ENDED = frozenset({LearnerState.FINISHED, LearnerState.LEFT, LearnerState.DEAD})
 

@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 
 from ray_diloco.config import SupervisorConfig
-from ray_diloco.control.events import FailureKind, GiveUp, Restart
+from ray_diloco.control.events import FailureKind, GiveUp, Restart, StopReason
 
-__all__ = ["FailureKind", "LearnerRestartBook", "RestartPolicy"]
+__all__ = ["FailureKind", "LearnerRestartBook", "RestartPolicy", "restart_after_stop"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,13 @@ PREEMPTION_KINDS = frozenset({FailureKind.PREEMPTION, FailureKind.NODE_LOST})
 # A hung or partitioned host, or a lost node, leaves the multi-host learner's collective in an
 # unknown state on the other hosts too: the whole group is rebuilt, not one host restarted.
 REBUILD_GROUP_KINDS = frozenset({FailureKind.HANG, FailureKind.PARTITION, FailureKind.NODE_LOST})
+
+
+def restart_after_stop(reason: StopReason, run_over: bool) -> bool:
+    """A learner whose loop finished by itself trains again unless the run is over or it
+    stopped at the token budget: a fenced incarnation, or one told to stop while the run goes
+    on, has work left to do."""
+    return not (run_over or reason is StopReason.BUDGET)
 
 
 @dataclass
