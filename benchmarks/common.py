@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.actors.compile_cache import use_compilation_cache_dir
-from ray_diloco.report import machine, markdown_table
+from ray_diloco.observe.report import machine, markdown_table
+from ray_diloco.runtime.learner.compile_cache import use_compilation_cache_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = Path(__file__).resolve().parent.parent / "jobs" / "reference.yaml"
@@ -112,7 +112,7 @@ def plot_loss_curves(
     import matplotlib
     from matplotlib.figure import Figure
 
-    from ray_diloco.report import save_figure
+    from ray_diloco.sim.figures import save_figure
 
     # Tall enough for the legend: about 0.18 in a line at font size 8 (at 5.2 in, 30 curves
     # ran off the top and bottom).

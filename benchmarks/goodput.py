@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ray_diloco.config import load_config
-from ray_diloco.report import save_figure
+from ray_diloco.sim.figures import save_figure
 from ray_diloco.sim.simulate import run_reference
 
 from common import GRACE, QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results

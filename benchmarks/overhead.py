@@ -7,7 +7,7 @@ slowdown), measured side by side in one run, alternating so background load hits
   report, offers, merges, apply), the loop of the reference run without its virtual clock;
 - learner only: `LearnerCore` alone (train step and encoded offers, no merges): the upper
   bound of one learner's throughput, the strict baseline for what Ray costs the learner;
-- ray: `ray_diloco.driver.run_training` on a local Ray (learner and synchronizer actors; the
+- ray: `ray_diloco.runtime.driver.run_training` on a local Ray (learner and synchronizer actors; the
   synchronizer merges in its own process, on the other core of a 2-core box).
 
 Steady state only: from the end of the first (compiling) step to the learner's last step.
@@ -94,7 +94,7 @@ def learner_only(cfg: RunConfig) -> dict[str, float]:
 
 
 def on_ray(cfg: RunConfig) -> dict[str, float]:
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     summary = run_training(cfg, progress=lambda line: None)
     events = [

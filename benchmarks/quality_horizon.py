@@ -483,7 +483,7 @@ def plot_batches(runs: list[dict[str, Any]], path: Path) -> bool:
     have not run at the two smallest."""
     from matplotlib.figure import Figure
 
-    from ray_diloco.report import save_figure
+    from ray_diloco.sim.figures import save_figure
 
     first = {r["variant"]: r for r in runs if r["seed"] == 0}
     panels = [
@@ -533,7 +533,7 @@ def plot_scaling(runs: list[dict[str, Any]], path: Path) -> bool:
     point up to batch 256 has run (larger batches join when they have)."""
     from matplotlib.figure import Figure
 
-    from ray_diloco.report import save_figure
+    from ray_diloco.sim.figures import save_figure
 
     systems = (("synchronous DiLoCo", BATCHED[1]), ("decoupled (default)", BATCHED[2]))
     by_batch = {

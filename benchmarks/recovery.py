@@ -73,7 +73,7 @@ GAP_AT_LEAST = {"kill_host_multi": 28.0}
 def run_kind(
     row: str, repeats: int, gap_s: float, limit_s: float, tmp: Path, replacer: NodeReplacer
 ) -> dict[str, Any]:
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     kind, target, multi_host = KINDS[row]
     gap_s = max(gap_s, GAP_AT_LEAST.get(row, 0.0))

@@ -29,7 +29,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ray_diloco.config import RunConfig, build_config, load_config
-from ray_diloco.report import save_figure
+from ray_diloco.sim.figures import save_figure
 
 from common import NO_GRACE, QUICK_MODEL, REFERENCE, parser, write_results
 
@@ -232,7 +232,7 @@ def ray_setting_pair(on_ray: bool) -> dict[int, dict[str, Any]]:
     on the virtual clock (what the setting gives without 2 cores shared by 8 learners, a
     synchronizer and boots)."""
     if on_ray:
-        from ray_diloco.driver import run_training as train
+        from ray_diloco.runtime.driver import run_training as train
 
         where, clock = "ray", "wall_time_s"
     else:

@@ -221,10 +221,10 @@ def _fake_learner_class() -> Any:
                     self.adopted_at[fragment] = self.progress.step
 
         def run(self, t0: float, until: float, step_s: float, seed: int) -> dict[str, Any]:
-            from ray_diloco.actors.learner_channel import SyncChannel
             from ray_diloco.algorithm import wire
             from ray_diloco.algorithm.fragments import due_fragments
             from ray_diloco.algorithm.round_types import ContributionMeta
+            from ray_diloco.runtime.learner.channel import SyncChannel
 
             counts: Counter[str] = Counter()
             channel = SyncChannel(self.cfg, self.lg, 0, counts, lambda core: {})
@@ -267,8 +267,8 @@ def _fake_learner_class() -> Any:
 def load_cell(num_params: int, shards: int, step_s: float, tmp: Path) -> dict[str, Any]:
     import ray
 
-    from ray_diloco.actors.sync_launch import create_synchronizer
-    from ray_diloco.actors.sync_shards import ShardSet
+    from ray_diloco.runtime.synchronizer.launch import create_synchronizer
+    from ray_diloco.runtime.synchronizer.shards import ShardSet
 
     cfg = load_config_for(num_params, shards, tmp / f"{num_params}-{shards}")
     sync = ShardSet(cfg, create_synchronizer(cfg))

@@ -1,4 +1,4 @@
-"""Top level: the Python API for notebooks and scripts, in the words of Ray Train.
+"""Top level (the public API): the Python API for notebooks and scripts, in the words of Ray Train.
 
     import ray_diloco
 
@@ -113,10 +113,10 @@ class Trainer:
         self.config = build_config(tree, "ray_diloco.Trainer")
 
     def fit(self, address: str | None = None, progress: bool = True) -> Result:
-        """Train on Ray to the token budget (`ray_diloco.driver.run_training`); `progress`
+        """Train on Ray to the token budget (`ray_diloco.runtime.driver.run_training`); `progress`
         shows the live display (plain lines when stdout is not a terminal)."""
-        from ray_diloco.display import progress_display, run_title
-        from ray_diloco.driver import run_training
+        from ray_diloco.observe.display import progress_display, run_title
+        from ray_diloco.runtime.driver import run_training
 
         cfg = self.config
         display = progress_display(run_title(cfg)) if progress else contextlib.nullcontext()
@@ -127,7 +127,7 @@ class Trainer:
     def simulate(self, progress: bool = False) -> Result:
         """The in-process reference run of the same config on a virtual clock (no Ray)."""
         from ray_diloco.algorithm.setup import check_task
-        from ray_diloco.report import progress_line, write_json
+        from ray_diloco.observe.report import progress_line, write_json
         from ray_diloco.sim.simulate import reference_run
 
         cfg = self.config

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (the driver imports Ray; the annotation alone needs no import at run time)
-    from ray_diloco.driver import StopWhen
+    from ray_diloco.runtime.driver import StopWhen
 
 
 def stop_after(event: Callable[[dict[str, Any]], bool], budget: int, reason: str) -> StopWhen:

@@ -21,9 +21,8 @@ from typing import Any
 
 import yaml
 
-from ray_diloco.cluster import slices
-from ray_diloco.cluster.slices import SliceShape
-from ray_diloco.config import ConfigError
+from ray_diloco.config import ConfigError, slices
+from ray_diloco.config.slices import SliceShape
 
 REGION_ENV = "RAY_NODE_REGION"
 ZONE_ENV = "RAY_NODE_ZONE"

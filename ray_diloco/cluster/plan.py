@@ -4,7 +4,7 @@ Starts nothing. From the job's config, the cluster files (`files.py`) and the fr
 the run's fragment plan it works out what a run would do before anyone pays for TPUs:
 - where each learner group goes: the slice pool (a `ray up` TPU node type or a KubeRay worker
   group) of its shape in its region, hosts, chips per host and placement strategy, the way
-  `actors/resources.py` reserves it (one bundle per host, bundle i on TPU worker i);
+  `runtime/resources.py` reserves it (one bundle per host, bundle i on TPU worker i);
 - that the synchronizer and the supervisor go on the head (both pin themselves to it);
 - the bytes per second each region's link to the synchronizer carries at `step_time_s`
   (`learner_link_loads`), against the link's bandwidth (`links`: emulated, `cluster.links`:

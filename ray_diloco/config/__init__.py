@@ -1,4 +1,5 @@
-"""Top level: the run's configuration, one frozen pydantic tree validated once at the boundary.
+"""Layer: config (pydantic only). The run's configuration, one frozen pydantic tree validated once
+at the boundary.
 
 Every component receives only its own sub-config. YAML files in `jobs/` are loaded with
 `load_config(path, overrides)`, where overrides are dotted `a.b=c` strings (values parsed as

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ray_diloco.cluster import slices
+from ray_diloco.config import slices
 from ray_diloco.config.base import _Frozen
 from ray_diloco.config.diloco import DilocoConfig
 from ray_diloco.config.sims import BandwidthSimConfig, GoodputSimConfig
@@ -111,7 +111,7 @@ class LearnerGroupConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _tpu_hosts(cls, data: Any) -> Any:
-        """A TPU learner's hosts come from its slice shape (cluster/slices.py): `num_hosts`
+        """A TPU learner's hosts come from its slice shape (config/slices.py): `num_hosts`
         may be left out when the topology has one shape, and must be given (and fit) when
         it has two (v6e 2x4: one 8-chip host or two 4-chip hosts)."""
         if not isinstance(data, dict):

@@ -1,12 +1,12 @@
 """Layer: control (pure Python; no Ray, no JAX). Whether a synchronizer shard can still merge.
 
-A merge that raises puts its round back (`actors/sync_rounds.py`), so a passing fault costs a
-retry. A merge that fails every time is a bug (a config the shard cannot read, a task whose
-values break the outer step): the learners would train on to the token budget with nothing
-merged, and the run would end looking finished, at its initial loss. Once merges have failed
-`limit` times in a row, of any fragment, for at least `for_s` seconds, the shard reports the
-error in its status and the driver stops the run with it as the stop reason (the train command
-then exits 1: the budget was not reached).
+A merge that raises puts its round back (`runtime/synchronizer/rounds.py`), so a passing fault costs
+a retry. A merge that fails every time is a bug (a config the shard cannot read, a task whose values
+break the outer step): the learners would train on to the token budget with nothing merged, and the
+run would end looking finished, at its initial loss. Once merges have failed `limit` times in a row,
+of any fragment, for at least `for_s` seconds, the shard reports the error in its status and the
+driver stops the run with it as the stop reason (the train command then exits 1: the budget was not
+reached).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Layer: control (pure Python; no Ray, no JAX). The supervisor's restart policy.
 
-Given a classified failure (classification of Ray errors lives in actors/, this module never
-sees an exception), `RestartPolicy.decide` returns a `Restart` or a `GiveUp`; the supervisor
+Given a classified failure (classification of Ray errors lives in runtime/errors.py, this module
+never sees an exception), `RestartPolicy.decide` returns a `Restart` or a `GiveUp`; the supervisor
 executes it. Two separate budgets, because the two kinds of failure mean different things:
-preemptions and lost nodes are the platform taking capacity back and say nothing about the
-learner, so they get a large budget (`max_preemption_restarts`); crashes, hangs, partitions and
-numerical failures may be the learner's own fault and repeat forever, so they get a small one
-(`max_crash_restarts`). Restarts back off exponentially; `record_healthy` resets the backoff
-(not the budgets) once a restarted learner trains again, so a learner that fails once a day
-restarts quickly every time while a flapping one slows down and then runs out of budget.
+preemptions and lost nodes are the platform taking capacity back and say nothing about the learner,
+so they get a large budget (`max_preemption_restarts`); crashes, hangs, partitions and numerical
+failures may be the learner's own fault and repeat forever, so they get a small one
+(`max_crash_restarts`). Restarts back off exponentially; `record_healthy` resets the backoff (not
+the budgets) once a restarted learner trains again, so a learner that fails once a day restarts
+quickly every time while a flapping one slows down and then runs out of budget.
 """
 
 from __future__ import annotations

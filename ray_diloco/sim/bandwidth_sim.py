@@ -32,7 +32,7 @@ from typing import Any
 from ray_diloco.algorithm.links import link_seconds
 from ray_diloco.algorithm.wire import publish_dtype, wire_bytes
 from ray_diloco.config import BandwidthSimConfig, LinkConfig, WireDtype
-from ray_diloco.report import save_figure
+from ray_diloco.sim.figures import save_figure
 
 # The published pair: 198 Gbps for data-parallel against 0.84 Gbps for Decoupled DiLoCo across
 # 8 datacenters (arXiv 2604.21428 and its announcement). Model size, step time, H and the wire

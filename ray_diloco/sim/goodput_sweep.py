@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
-from ray_diloco.report import save_figure
+from ray_diloco.sim.figures import save_figure
 from ray_diloco.sim.goodput_sim import (
     SystemResult,
     data_parallel,

@@ -148,7 +148,7 @@ def run_chaos(cfg: RunConfig, may_go_unnoticed: frozenset[str] = frozenset()) ->
     fault played out (`settled`), and a quarter of that budget past the moment they had.
     Faults of the kinds `may_go_unnoticed` (transient ones: a straggler, a link fault) that were
     never detected count as played out `UNNOTICED_GRACE_S` after they were first seen so."""
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     budget = cfg.inner.decay_tokens or cfg.token_budget
     scheduled = len(cfg.chaos.schedule)

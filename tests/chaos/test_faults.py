@@ -170,14 +170,14 @@ def refused(run: ChaosRun, reason: str) -> list[str]:
     ]
 
 
-# Faults that take a learner down may share a run when they hit the same learner, one after
-# the other: the chaos engine holds a fault until its learner is back (`actors/faults.py`), so
-# the other learner trains throughout, and the tape attributes every detection and recovery to
-# the earliest fault it explains (`control/recovery.py`). Not a hang and then another fault: a
-# hung learner counts as up until the hang is detected, so the next fault must wait out the
-# timeout's ceiling (30 s). Merged so, hang_host and remove_node took 165 s in one suite run,
-# against 70 s and 59 s apart in another; kill_group and the corruptions 56 s, against 89 s and
-# 59 s (2026-11-27, clean clones, 2 cores).
+# Faults that take a learner down may share a run when they hit the same learner, one after the
+# other: the chaos engine holds a fault until its learner is back (`runtime/supervisor/faults.py`),
+# so the other learner trains throughout, and the tape attributes every detection and recovery to
+# the earliest fault it explains (`control/recovery.py`). Not a hang and then another fault: a hung
+# learner counts as up until the hang is detected, so the next fault must wait out the timeout's
+# ceiling (30 s). Merged so, hang_host and remove_node took 165 s in one suite run, against 70 s and
+# 59 s apart in another; kill_group and the corruptions 56 s, against 89 s and 59 s (2026-11-27,
+# clean clones, 2 cores).
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)

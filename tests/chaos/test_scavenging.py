@@ -36,7 +36,7 @@ class Background:
     is torn down."""
 
     def __init__(self, cfg: Any) -> None:
-        from ray_diloco.driver import run_training
+        from ray_diloco.runtime.driver import run_training
 
         self.cfg, self.summary, self.error = cfg, None, None
         self._abort, self._finish = threading.Event(), threading.Event()

@@ -11,8 +11,9 @@ import pytest
 import ray
 import ray.util.tpu
 
-from ray_diloco.actors.errors import PlacementTimeoutError, classify_ray_error
-from ray_diloco.actors.resources import (
+from ray_diloco.config import LearnerGroupConfig
+from ray_diloco.runtime.errors import PlacementTimeoutError, classify_ray_error
+from ray_diloco.runtime.resources import (
     REGION_LABEL,
     SLICE_LABEL,
     WORKER_ID_LABEL,
@@ -24,7 +25,6 @@ from ray_diloco.actors.resources import (
     release,
     reserve_learner_group,
 )
-from ray_diloco.config import LearnerGroupConfig
 from tests.cluster_helpers import SLICES, TpuCluster, first_error, node_labels, preempt_host
 
 pytestmark = pytest.mark.chaos

@@ -82,7 +82,7 @@ def ray_local() -> Iterator[LocalRay]:
     prepare_ray_env()
     import ray
 
-    from ray_diloco.driver import ONE_NODE_HEALTH_CHECKS
+    from ray_diloco.runtime.driver import ONE_NODE_HEALTH_CHECKS
 
     if not _running(_shared):
         if ray.is_initialized():  # someone else's Ray; never connect to it

@@ -37,7 +37,7 @@ def _falls(summary: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(300)
 def test_custom_task_trains_on_ray_through_the_yaml_path(ray_local: Any, tmp_path: Path) -> None:
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     cfg = load_config(
         CUSTOM, [f"run_dir={tmp_path / 'yaml'}", "synchronizer.name=sync-yaml", "token_budget=8000"]

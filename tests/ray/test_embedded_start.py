@@ -35,7 +35,7 @@ services._build_python_executable_command_memory_profileable = late_first_agent
 
 import ray
 from ray_diloco.config import load_config
-from ray_diloco.driver import _connect
+from ray_diloco.runtime.driver import _connect
 
 import psutil
 

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from ray_diloco.config import load_config
-from ray_diloco.grafana import series
-from ray_diloco.run_report import REPORT_FILES
+from ray_diloco.observe.grafana import series
+from ray_diloco.observe.run_report import REPORT_FILES
 from tests.cluster_helpers import free_port, patient_node_start, prepare_ray_env
 
 pytestmark = pytest.mark.ray
@@ -40,7 +40,7 @@ def ray_with_dashboard() -> Iterator[DashboardRay]:
     prepare_ray_env()
     import ray
 
-    from ray_diloco.driver import ONE_NODE_HEALTH_CHECKS
+    from ray_diloco.runtime.driver import ONE_NODE_HEALTH_CHECKS
 
     if ray.is_initialized():
         ray.shutdown()
@@ -84,7 +84,7 @@ def test_dashboard_series_move_and_actors_are_named(
     )
     from ray.util.state import list_actors
 
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     scrapes: list[str] = []
     names: set[str] = set()

@@ -58,14 +58,14 @@ def test_learners_land_where_the_plan_says(job: str, monkeypatch: pytest.MonkeyP
 def _check_reservation(lg: Any, pool: Any, spec: Any) -> None:
     import ray
 
-    from ray_diloco.actors.resources import (
+    from ray_diloco.runtime.resources import (
         REGION_LABEL,
         SLICE_LABEL,
         WORKER_ID_LABEL,
         release,
         reserve_learner_group,
     )
-    from ray_diloco.actors.resources import placement_state as state
+    from ray_diloco.runtime.resources import placement_state as state
 
     placement = reserve_learner_group(lg, name_prefix="plan", timeout_s=30, emulated=True)
     try:

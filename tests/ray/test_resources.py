@@ -18,16 +18,16 @@ from ray.core.generated.common_pb2 import (  # type: ignore[attr-defined]
 )
 from ray.util.placement_group import placement_group_table
 
-from ray_diloco.actors.errors import PlacementTimeoutError, classify_ray_error
-from ray_diloco.actors.resources import (
+from ray_diloco.config import LearnerGroupConfig
+from ray_diloco.runtime.errors import PlacementTimeoutError, classify_ray_error
+from ray_diloco.runtime.metrics import Metrics
+from ray_diloco.runtime.resources import (
     head_pin_options,
     host_options,
     placement_state,
     release,
     reserve_learner_group,
 )
-from ray_diloco.config import LearnerGroupConfig
-from ray_diloco.metrics import Metrics
 from tests.cluster_helpers import first_error, scrape_metrics
 
 pytestmark = pytest.mark.ray
@@ -80,7 +80,8 @@ def test_classify_constructed_errors(exc: BaseException, kind: str) -> None:
 @pytest.mark.timeout(30)
 def test_metrics_module_never_imports_ray() -> None:
     code = (
-        "import sys; from ray_diloco.metrics import Metrics; m = Metrics.create(True, 'r'); "
+        "import sys; from ray_diloco.runtime.metrics import Metrics; "
+        "m = Metrics.create(True, 'r'); "
         "m.tokens('a', 5); m.heldout_loss(1.0); assert not m.enabled; "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )

@@ -50,7 +50,7 @@ def _scale(run_dir: Path, address: str, *args: str) -> str:
 def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_path: Path) -> None:
     import ray
 
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     run_dir = tmp_path / "scaled"
     cfg = load_config(

@@ -36,7 +36,7 @@ def test_two_shards_reproduce_the_one_synchronizer_reference(
     ray_local: Any, tmp_path: Path
 ) -> None:
     cfg = tiny(tmp_path, "sync2", "token_budget=5120")
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
     from ray_diloco.sim.simulate import run_reference
 
     ray_run = run_training(cfg, progress=lambda line: None)
@@ -63,7 +63,7 @@ def test_a_killed_shard_stalls_only_its_fragments(ray_local: Any, tmp_path: Path
         SynchronizerRestored,
     )
     from ray_diloco.control.tape import read_tape
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     budget = 120_000
     cfg = tiny(

@@ -26,9 +26,9 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
 ) -> None:
     import ray
 
-    from ray_diloco.actors.sync_launch import create_synchronizer
     from ray_diloco.algorithm import wire
     from ray_diloco.algorithm.round_types import ContributionMeta
+    from ray_diloco.runtime.synchronizer.launch import create_synchronizer
 
     overrides = [
         f"run_dir={tmp_path}",

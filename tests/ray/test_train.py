@@ -49,7 +49,7 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
     # runs have merged exactly the rounds of steps <= 18 (a learner past step 19 has applied
     # them; none of step 21 can close before every learner reports step 20).
     cfg = tiny(tmp_path, "sync", "token_budget=5120")
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     points: list[dict[str, Any]] = []
     ray_run = run_training(cfg, progress=points.append)
@@ -90,7 +90,7 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
         "learners.1.speed=0.5",
         "learners.1.jitter=0.2",
     )
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     url = f"http://127.0.0.1:{ray_local.metrics_export_port}/metrics"
     scraped: list[str] = []
@@ -129,7 +129,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(ray_local: Any, tmp_path: P
     # event tape goes on as one time line.
     from ray_diloco.control.events import RoundClosed, RunFinished, RunStarted
     from ray_diloco.control.tape import read_tape
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     # Paced at 50 ms a step (5k tokens/s): the interruption comes well before the budget.
     pace = ("pace=step_time", "step_time_s=0.05")
@@ -172,10 +172,10 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
     import psutil
     import yaml
 
-    from ray_diloco.actors.version_mark import VersionMark
+    from ray_diloco.algorithm.version_mark import VersionMark
     from ray_diloco.control.events import RoundClosed, RunFinished, RunStarted
     from ray_diloco.control.tape import read_tape
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     pace = ("pace=step_time", "step_time_s=0.05")
     # Checkpoints every 4 rounds (they start at half the interval): the kill comes 2 rounds
@@ -302,7 +302,7 @@ def test_publishing_to_contributors_sends_each_learner_its_own_rounds(
         "pace=step_time",
         "step_time_s=0.04",
     )
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     summary = run_training(cfg, progress=lambda line: None)
     evals = [e["heldout_loss"] for e in summary["evals"]]
@@ -355,7 +355,7 @@ def test_two_host_learner_shards_its_model_and_matches_the_one_process_reference
     ]
     tree["synchronizer"]["name"] = "sync-spmd"
     cfg = build_config(tree)
-    from ray_diloco.driver import run_training
+    from ray_diloco.runtime.driver import run_training
 
     two_hosts = run_training(cfg, progress=lambda line: None)
     from ray_diloco.sim.simulate import run_reference

@@ -38,7 +38,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-# Stands for a local address nothing listens on (Ray would retry it for ever, actors/connect.py),
+# Stands for a local address nothing listens on (Ray would retry it for ever, runtime/connect.py),
 # picked when the case runs: the case's id must be the same in every pytest-xdist worker.
 NO_CLUSTER = "NO_CLUSTER"
 CASES = {
@@ -123,7 +123,7 @@ def test_a_cluster_that_refuses_the_token_is_named_with_the_fix() -> None:
     """Ray 2.60's chain when token auth is on and this process has no token (measured
     against `ray start --head`): a ConnectionError raised while handling a RuntimeError whose
     text carries the GCS client's InvalidAuthToken."""
-    from ray_diloco.actors.connect import _why
+    from ray_diloco.runtime.connect import _why
 
     address = "10.0.0.2:6379"
     try:
@@ -140,7 +140,7 @@ def test_a_cluster_that_refuses_the_token_is_named_with_the_fix() -> None:
 
 
 def test_what_address_is_tried_before_ray_and_what_is_left_to_it() -> None:
-    from ray_diloco.actors.connect import gcs_host_port
+    from ray_diloco.runtime.connect import gcs_host_port
 
     assert gcs_host_port("10.0.0.2:6379") == ("10.0.0.2", 6379)
     assert gcs_host_port("[::1]:6379") == ("::1", 6379)  # an IPv6 head, brackets off

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ray_diloco.algorithm.wire import wire_bytes
+from ray_diloco.cli.bandwidth import simulate_bandwidth_main
 from ray_diloco.config import BandwidthSimConfig
-from ray_diloco.sim.bandwidth_cli import simulate_bandwidth_main
 from ray_diloco.sim.bandwidth_sim import (
     PRESETS,
     PUBLISHED_GBPS,

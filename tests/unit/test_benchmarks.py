@@ -96,3 +96,39 @@ def test_readme_results_are_generated_from_the_json():
         timeout=120,
     )
     assert sorted(blocks) == tables.stdout.split(), tables.stderr
+
+
+def test_sharded_learner_quick_reports_every_figure(tmp_path):
+    # One learner over 4 emulated CPU devices (the script sets the count itself, over the
+    # suite's 8): memory by layout, both loops' tokens/s, step times by kind, the learner
+    # process's RSS; each figure with its goal in the table, and the plot.
+    script = ROOT / "benchmarks" / "sharded_learner.py"
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=300,
+    )
+    data = json.loads((tmp_path / "sharded_learner-quick.json").read_text())
+    meta, summary = data["meta"], data["meta"]["summary"]
+    assert meta["command"].startswith("python benchmarks/sharded_learner.py --quick")
+    assert meta["data"]["command"].startswith("ray-diloco prepare-data --input")
+    assert len(meta["devices"]) == 4
+    for layout in ("sharded", "replicated"):  # the live arrays hold what the arithmetic says
+        measured, arithmetic = (meta["memory"][layout][k] for k in ("measured", "arithmetic"))
+        assert measured["total"] == arithmetic["total"] > 0, layout
+    # alternately, the order swapped every pair
+    order = ["bare", "ray-diloco", "ray-diloco", "bare", "bare", "ray-diloco"]
+    assert [r["loop"] for r in meta["runs"]] == order
+    assert len(summary["tokens_ratio_per_pair"]) == 3
+    # H = 8, P = 2: every 4 steps one begins a fragment's copies and the next collects it
+    kinds = summary["steps_by_kind"]
+    assert kinds["begin"] == kinds["collect"] == kinds["none"] // 2 > 0
+    child = meta["learner_process"]
+    assert child["peak_rss"] > child["rss_runtime"] > 0
+    assert child["base_values_alias_received"]
+    goals = {r["measure"]: r["met"] for r in data["rows"] if r.get("goal")}
+    assert len(goals) == 4 and set(goals.values()) <= {"met", "missed", "-"}
+    assert (tmp_path / "sharded_learner-quick.md").read_text().startswith("# sharded_learner")
+    assert (tmp_path / "sharded_learner-quick.png").stat().st_size > 0

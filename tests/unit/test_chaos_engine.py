@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
-from ray_diloco.actors import faults
-from ray_diloco.actors.faults import ChaosEngine, HostRef
 from ray_diloco.config import build_config
 from ray_diloco.control.chaos import FaultAction
 from ray_diloco.control.events import Event, FaultInjected
+from ray_diloco.runtime.supervisor import faults
+from ray_diloco.runtime.supervisor.faults import ChaosEngine, HostRef
 
 
 class _Host:

@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from ray_diloco.actors.compile_cache import use_compilation_cache
 from ray_diloco.config import build_config
+from ray_diloco.runtime.learner.compile_cache import use_compilation_cache
 
 
 @pytest.fixture

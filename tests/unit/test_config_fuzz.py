@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from ray_diloco.config import ConfigError, RunConfig, build_config, load_config
-from ray_diloco.scale import parse_spec
+from ray_diloco.runtime.scale import parse_spec
 
 EXAMPLES = 300
 FUZZ = settings(

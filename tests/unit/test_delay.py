@@ -1,4 +1,4 @@
-"""The emulated-link scheduler (actors/delay.py): plain threads, no Ray."""
+"""The emulated-link scheduler (control/delay.py): plain threads, no Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ray_diloco.actors.delay import DelayedCalls
+from ray_diloco.control.delay import DelayedCalls
 
 
 @pytest.mark.timeout(10)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from ray_diloco.algorithm.round_types import Verdict
+from ray_diloco.cli.goodput import simulate_goodput_main
 from ray_diloco.config import ConfigError, GoodputSimConfig, load_config
-from ray_diloco.sim.goodput_cli import simulate_goodput_main
 from ray_diloco.sim.goodput_jobs import cluster, groups, shrinking, waiting
 from ray_diloco.sim.goodput_sim import (
     PRESETS,
@@ -380,7 +380,7 @@ def test_cli_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
 
 def test_simulator_imports_neither_ray_nor_jax():
     code = (
-        "import sys, ray_diloco.sim.goodput_sweep, ray_diloco.sim.goodput_cli\n"
+        "import sys, ray_diloco.sim.goodput_sweep, ray_diloco.cli.goodput\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'jax')))"
     )
     root = Path(__file__).resolve().parents[2]

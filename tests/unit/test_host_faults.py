@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_diloco.actors.host_faults import NORM_BLOWUP, HostFaults, blown_up, nan_encoded
 from ray_diloco.algorithm import wire
+from ray_diloco.algorithm.host_faults import NORM_BLOWUP, HostFaults, blown_up, nan_encoded
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
@@ -41,7 +41,7 @@ def test_armed_corruption_hits_the_next_offer_once_and_straggler_window_ends():
 
 
 def test_version_mark_round_trips_and_tolerates_absence(tmp_path):
-    from ray_diloco.actors.version_mark import Mark, VersionMark
+    from ray_diloco.algorithm.version_mark import Mark, VersionMark
 
     mark = VersionMark(tmp_path)
     assert mark.load() == Mark()

@@ -1,9 +1,9 @@
-"""The synchronizer's journal (actors/journal.py): plain Python, no Ray."""
+"""The synchronizer's journal (control/journal.py): plain Python, no Ray."""
 
 from __future__ import annotations
 
-from ray_diloco.actors.journal import Journal
 from ray_diloco.control.events import RoundClosed, event_from_dict
+from ray_diloco.control.journal import Journal
 
 
 def test_events_drain_in_order_from_a_sequence_number():

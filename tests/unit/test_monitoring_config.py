@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 
-from ray_diloco import grafana
 from ray_diloco.control.events import (
     FailureDetected,
     FailureKind,
     LearnerRejoined,
     LearnerRestarted,
 )
-from ray_diloco.metrics import PREFIX, SPECS, Metrics
+from ray_diloco.observe import grafana
+from ray_diloco.runtime.metrics import PREFIX, SPECS, Metrics
 
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
 def test_the_committed_dashboard_is_up_to_date():
     committed = grafana.OUT.read_text()
-    assert committed == grafana.render(), "run `python -m ray_diloco.grafana` and commit"
+    assert committed == grafana.render(), "run `python -m ray_diloco.observe.grafana` and commit"
     panels = json.loads(committed)["panels"]
     assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in panels)
 

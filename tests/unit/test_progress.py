@@ -7,9 +7,9 @@ from typing import Any
 
 from rich.console import Console
 
-from ray_diloco.display import PlainDisplay, progress_display, render
-from ray_diloco.progress import ProgressTracker, booting
-from ray_diloco.report import progress_line
+from ray_diloco.observe.display import PlainDisplay, progress_display, render
+from ray_diloco.observe.progress import ProgressTracker, booting
+from ray_diloco.observe.report import progress_line
 
 REGIONS = {"us-0": "us-east", "eu-0": "eu-west"}
 

@@ -24,7 +24,8 @@ from ray_diloco.control.events import (
     RunStarted,
 )
 from ray_diloco.control.tape import EventTape
-from ray_diloco.run_report import REPORT_FILES, ReportError, RunRecord, write_report
+from ray_diloco.observe.record import ReportError, RunRecord
+from ray_diloco.observe.run_report import REPORT_FILES, write_report
 
 T, C, D, R = (
     LearnerState.TRAINING,

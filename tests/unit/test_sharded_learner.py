@@ -223,8 +223,8 @@ def test_the_layout_report_measures_the_live_arrays() -> None:
 
 
 def test_an_emulated_slice_host_gets_one_cpu_device_per_chip(monkeypatch: pytest.MonkeyPatch):
-    from ray_diloco.actors.spmd import emulation_env
     from ray_diloco.config import LearnerGroupConfig
+    from ray_diloco.runtime.learner.spmd import emulation_env
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
     v5p = LearnerGroupConfig(name="v5p", accelerator="tpu-v5p", topology="2x2x2", batch_size=8)

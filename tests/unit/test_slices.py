@@ -1,4 +1,4 @@
-"""The slice-shape table (ray_diloco/cluster/slices.py) against Ray's own TPU helpers: every row
+"""The slice-shape table (ray_diloco/config/slices.py) against Ray's own TPU helpers: every row
 is what `ray.util.tpu` reserves for it, and the TPU VM rows are Ray's defaults."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from ray._private.accelerators import tpu as ray_tpu
 from ray._private.accelerators.tpu import TPUAcceleratorManager
 from ray.util.tpu import get_tpu_worker_resources
 
-from ray_diloco.cluster import slices
-from ray_diloco.cluster.slices import SHAPES, SliceShape, UnknownShape
+from ray_diloco.config import slices
+from ray_diloco.config.slices import SHAPES, SliceShape, UnknownShape
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.pod_type}-{s.num_hosts}h")

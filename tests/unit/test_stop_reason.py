@@ -1,5 +1,5 @@
 """Whether a learner that finished on its own is restarted is decided on its `StopReason`,
-never on the words beside it (actors/supervisor_health.py, control/policy.py)."""
+never on the words beside it (runtime/supervisor/health.py, control/policy.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from ray_diloco.actors.supervisor_health import HealthDuty
 from ray_diloco.config import SupervisorConfig
 from ray_diloco.control.events import Event, FailureKind, LearnerState, StopReason
 from ray_diloco.control.policy import restart_after_stop
 from ray_diloco.control.supervision import Supervision
+from ray_diloco.runtime.supervisor.health import HealthDuty
 
 
 class _Health(HealthDuty):

@@ -1,5 +1,5 @@
 """A synchronizer split into shards (algorithm/shards.py, sync_core `fragments`/`owns_data`,
-actors/sync_shards.py `combine_status`): the shards together compute exactly what one
+runtime/synchronizer/shards.py `combine_status`): the shards together compute exactly what one
 synchronizer does, only shard 0 hands out data, and their statuses add up."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_diloco.actors.sync_shards import combine_status
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
 from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.shards import assign_fragments
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
+from ray_diloco.runtime.synchronizer.shards import combine_status
 from tests.sync_helpers import TINY
 
 LEARNERS = ("a", "b")

@@ -1,0 +1,195 @@
+"""Layer: cli. The `ray-diloco` command.
+
+  ray-diloco train --config jobs/local.yaml [--set a.b=c ...]       run on Ray (embedded or
+                                                                       RAY_ADDRESS)
+  ray-diloco report RUN_DIR                                         report.html and pictures
+                                                                       of a run, finished or not
+  ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
+  ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
+  ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
+  ray-diloco scale RUN_DIR --add 'name=x,...' | --remove NAME       learners join/leave a run
+  ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
+  ray-diloco plan --config jobs/cluster-gke.yaml [--cluster FILE ...] dry run on a real cluster:
+                                                                       placement, link loads,
+                                                                       memory per chip,
+                                                                       problems (exit 1 if any)
+
+Printing to the terminal happens here (and in the progress display) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from ray_diloco.config import ConfigError, add_config_args, check_output_dir, load_config
+from ray_diloco.observe.log import setup_logging
+from ray_diloco.observe.report import summary_table
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, "YAML run config (default: built-in defaults)", "diloco.quorum_min=2")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ray_diloco.api import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    check_output_dir(cfg.run_dir, "run_dir")  # before the header: a bad run_dir is one line
+    print(
+        f"simulate: task={cfg.task} mode={cfg.diloco.mode} learners={cfg.num_learners} "
+        f"P={cfg.diloco.num_fragments} H={cfg.diloco.sync_every} K={cfg.diloco.quorum_min} "
+        f"wire={cfg.diloco.wire_dtype} budget={cfg.token_budget} tokens",
+        flush=True,
+    )
+    result = Trainer(config=cfg).simulate(progress=True)
+    print(summary_table(result.metrics))
+    print(f"wrote {result.path / 'summary.json'}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ray_diloco.observe.display import progress_display, run_title
+    from ray_diloco.runtime.driver import run_training
+
+    cfg = load_config(args.config, args.overrides)
+    with progress_display(run_title(cfg), args.print_every) as show:
+        summary = run_training(
+            cfg,
+            address=args.address,
+            stop_synchronizer=not args.keep_synchronizer,
+            progress=show,
+            dashboard=args.dashboard,
+        )
+    print(summary_table(summary))
+    run_dir = Path(cfg.run_dir).resolve()
+    print(f"wrote {run_dir / 'summary.json'} and the run report {run_dir / 'report.html'}")
+    return 0 if summary.get("tokens", 0) >= cfg.token_budget else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ray_diloco.cluster import files, plan
+
+    cfg = load_config(args.config, args.overrides)  # nothing is written: a dry run
+    paths = args.cluster or list(cfg.cluster.files)
+    if not paths:
+        raise ConfigError("no cluster file: pass --cluster FILE or set cluster.files in the job")
+    cluster = files.read_cluster_files(paths)
+    # The fragment plan and the learners' memory evaluate shapes only; never let JAX open an
+    # accelerator.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from ray_diloco.algorithm.memory import learner_memory
+    from ray_diloco.algorithm.setup import fragment_plan, task_of
+
+    task = task_of(cfg)
+    result = plan.make_plan(cfg, cluster, fragment_plan(cfg, task).sizes, learner_memory(cfg, task))
+    print(plan.render(result))
+    return 1 if result.problems else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ray_diloco.observe.record import ReportError
+    from ray_diloco.observe.run_report import write_report
+
+    try:
+        path = write_report(args.run_dir)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path.resolve()}")
+    return 0
+
+
+# Subcommands with arguments of their own, each a `main(argv) -> exit code` that raises
+# ValueError (ConfigError included) for bad input.
+OWN_PARSERS = {
+    "simulate-goodput": "ray_diloco.cli.goodput:simulate_goodput_main",
+    "simulate-bandwidth": "ray_diloco.cli.bandwidth:simulate_bandwidth_main",
+    "prepare-data": "ray_diloco.tasks.prepare:main",
+    "scale": "ray_diloco.runtime.scale:main",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in OWN_PARSERS:
+        module, _, function = OWN_PARSERS[argv[0]].partition(":")
+        try:
+            return int(getattr(importlib.import_module(module), function)(argv[1:]))
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
+    _add_config_args(train)
+    train.add_argument(
+        "--address",
+        default=None,
+        help="Ray address (default: RAY_ADDRESS or an embedded local Ray)",
+    )
+    train.add_argument(
+        "--keep-synchronizer",
+        action="store_true",
+        help="leave the detached synchronizer running after the run",
+    )
+    train.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the Ray dashboard with the embedded local Ray (default: on)",
+    )
+    train.add_argument(
+        "--print-every",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="when stdout is not a terminal: one progress line every SECONDS (default 10)",
+    )
+    report = sub.add_parser("report", help="write report.html and pictures of a run dir")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a train run")
+    report.add_argument("--log-level", default="WARNING")
+    simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
+    _add_config_args(simulate)
+    sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
+    sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
+    sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
+    sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
+    plan = sub.add_parser(
+        "plan",
+        help="dry run on a real cluster: placement, link loads, memory per chip, problems; "
+        "starts nothing",
+    )
+    _add_config_args(plan)
+    plan.add_argument(
+        "--cluster",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="cluster file (`ray up` YAML or KubeRay manifest), repeatable; "
+        "default: the job's cluster.files",
+    )
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    commands = {
+        "train": cmd_train,
+        "simulate": cmd_simulate,
+        "plan": cmd_plan,
+        "report": cmd_report,
+    }
+    try:
+        return commands[args.command](args)
+    except ConfigError as err:
+        message = str(err)
+        if args.command == "plan":  # one line, whatever the validation found
+            message = "; ".join(line.strip() for line in message.splitlines())
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

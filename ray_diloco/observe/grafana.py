@@ -1,0 +1,303 @@
+"""Layer: observe. The Grafana dashboard of a run, built from panel dataclasses (no Ray, no JAX).
+
+As Ray builds its own dashboards (`ray/dashboard/modules/metrics/dashboards`: `Panel`,
+`Target`, assembled into JSON), this module describes our panels as data with PromQL on the
+`ray_diloco_*` series of `runtime/metrics.py` and writes `monitoring/grafana/ray_diloco.json`:
+
+    python -m ray_diloco.observe.grafana   # rewrite the JSON (a unit test checks it is current)
+
+Every query filters on the run's name (`run`, a dashboard variable) and uses the datasource
+variable `${datasource}` as Ray's dashboards do, so the file loads next to them in the Grafana
+that Ray provisions (README: "Watching a run").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parents[1] / "monitoring" / "grafana" / "ray_diloco.json"
+UID = "rayDilocoDashboard"
+RUN = 'run=~"$run"'
+SERIES = re.compile(r"\bray_diloco_[a-z_]+\b")
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    targets: list[Target]
+    kind: str = "timeseries"  # or "stat"
+    width: int = 12
+    height: int = 8
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _rate(series: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group}(rate({series}{{{RUN}}}[$window]))"
+
+
+def _mean(histogram: str, by: str = "") -> str:
+    """Mean observation over the window: rate of the sum over rate of the count."""
+    return f"{_rate(histogram + '_sum', by)} / {_rate(histogram + '_count', by)}"
+
+
+def _quantile(q: float, histogram: str, by: str = "") -> str:
+    keys = ", ".join(k for k in ("le", by) if k)
+    return f"histogram_quantile({q}, {_rate(histogram + '_bucket', keys)})"
+
+
+def _cumulative_mean(histogram: str, by: str) -> str:
+    """Mean over the whole run: failures are rare, a rate window would mostly show nothing."""
+    return f"sum by ({by})({histogram}_sum{{{RUN}}}) / sum by ({by})({histogram}_count{{{RUN}}})"
+
+
+PANELS = [
+    Panel(
+        "Learners up",
+        "Learners compiling, training or waiting for fragments (the supervisor's view).",
+        "none",
+        [Target(f"sum(ray_diloco_learner_up{{{RUN}}})", "learners up")],
+        kind="stat",
+        width=4,
+    ),
+    Panel(
+        "Learner up (1) or down (0)",
+        "Which learner is down, and since when.",
+        "none",
+        [Target(f"max by (learner)(ray_diloco_learner_up{{{RUN}}})", "{{learner}}")],
+        width=8,
+        options={"min": 0, "max": 1},
+    ),
+    Panel(
+        "Goodput and uptime",
+        "Goodput: productive over allocated learner time so far. Uptime: share of the run in "
+        "which the global model advanced (a round closed).",
+        "percentunit",
+        [
+            Target(f"ray_diloco_goodput{{{RUN}}}", "goodput"),
+            Target(f"ray_diloco_uptime{{{RUN}}}", "uptime"),
+        ],
+        options={"min": 0, "max": 1},
+    ),
+    Panel(
+        "Loss",
+        "Held-out loss of the global parameters and each learner's training loss.",
+        "none",
+        [
+            Target(f"ray_diloco_heldout_loss{{{RUN}}}", "held-out (global)"),
+            Target(f"max by (learner)(ray_diloco_training_loss{{{RUN}}})", "train {{learner}}"),
+        ],
+    ),
+    Panel(
+        "Tokens per second",
+        "Training tokens consumed per second, in all and per learner.",
+        "none",
+        [
+            Target(_rate("ray_diloco_tokens_total"), "all learners"),
+            Target(_rate("ray_diloco_tokens_total", "learner"), "{{learner}}"),
+        ],
+    ),
+    Panel(
+        "Rounds per minute and contributors per round",
+        "Outer rounds closed per minute (all fragments), contributions merged per round, and "
+        "the share of merged contributions whose base was an older version (stale).",
+        "none",
+        [
+            Target("60 * " + _rate("ray_diloco_outer_rounds_total"), "rounds per minute"),
+            Target(_mean("ray_diloco_contributors_per_round"), "contributors per round"),
+            Target(
+                f'1 - sum(rate(ray_diloco_staleness_versions_bucket{{{RUN}, le="0.5"}}[$window]))'
+                f" / {_rate('ray_diloco_staleness_versions_count')}",
+                "share of contributions on an older version",
+            ),
+        ],
+    ),
+    Panel(
+        "Grace windows",
+        "Grace window a round allowed after reaching quorum.",
+        "s",
+        [
+            Target(_quantile(0.5, "ray_diloco_grace_window_seconds"), "p50"),
+            Target(_quantile(0.9, "ray_diloco_grace_window_seconds"), "p90"),
+        ],
+    ),
+    Panel(
+        "Rejected contributions",
+        "Contributions refused in the window, by reason (stale, non-finite, norm outlier, "
+        "fenced incarnation, ...).",
+        "none",
+        [
+            Target(
+                f"sum by (reason)(increase(ray_diloco_contributions_rejected_total{{{RUN}}}"
+                "[$window]))",
+                "{{reason}}",
+            )
+        ],
+    ),
+    Panel(
+        "Restarts by failure kind",
+        "Learner restarts since the run started, by the failure that caused them.",
+        "none",
+        [Target(f"sum by (failure)(ray_diloco_learner_restarts_total{{{RUN}}})", "{{failure}}")],
+    ),
+    Panel(
+        "Detection and recovery",
+        "Mean seconds from a failure to its detection, and from detection until the "
+        "restarted learner contributed again, by failure kind, over the run (Ray exports "
+        "histogram sums from bucket midpoints: within about 20%).",
+        "s",
+        [
+            Target(
+                _cumulative_mean("ray_diloco_detection_seconds", "failure"),
+                "detection {{failure}}",
+            ),
+            Target(
+                _cumulative_mean("ray_diloco_recovery_seconds", "failure"),
+                "recovery {{failure}}",
+            ),
+        ],
+    ),
+    Panel(
+        "Link bytes per second",
+        "Bytes per second between each learner and the synchronizer: contributions up, "
+        "published fragments down.",
+        "Bps",
+        [
+            Target(
+                _rate("ray_diloco_link_bytes_total", "learner, region, direction"),
+                "{{learner}} ({{region}}) {{direction}}",
+            )
+        ],
+    ),
+    Panel(
+        "Inner step time",
+        "Median wall time of one inner step, per learner.",
+        "s",
+        [Target(_quantile(0.5, "ray_diloco_inner_step_seconds", "learner"), "{{learner}}")],
+    ),
+    Panel(
+        "Synchronizer merge time",
+        "Wall time of one merge and outer step.",
+        "s",
+        [
+            Target(_quantile(0.5, "ray_diloco_merge_seconds"), "p50"),
+            Target(_quantile(0.9, "ray_diloco_merge_seconds"), "p90"),
+        ],
+    ),
+    Panel(
+        "Synchronizer memory",
+        "Resident memory of the synchronizer process.",
+        "bytes",
+        [Target(f"max(ray_diloco_synchronizer_memory_bytes{{{RUN}}})", "resident")],
+    ),
+]
+
+
+def series(panels: list[Panel] = PANELS) -> set[str]:
+    """Every exported series name a panel queries (`ray_diloco_tokens_total`, ...)."""
+    return {name for p in panels for t in p.targets for name in SERIES.findall(t.expr)}
+
+
+def dashboard(panels: list[Panel] = PANELS) -> dict[str, Any]:
+    out, x, y, row_h = [], 0, 0, 0
+    for i, p in enumerate(panels):
+        if x + p.width > 24:
+            x, y, row_h = 0, y + row_h, 0
+        out.append(_panel(i + 1, p, {"x": x, "y": y, "w": p.width, "h": p.height}))
+        x, row_h = x + p.width, max(row_h, p.height)
+    return {
+        "title": "ray_diloco",
+        "uid": UID,
+        "description": (
+            "Decoupled DiLoCo runs of ray_diloco (generated by ray_diloco/observe/grafana.py)"
+        ),
+        "tags": ["ray_diloco"],
+        "editable": True,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "graphTooltip": 1,
+        "templating": {"list": _variables()},
+        "panels": out,
+    }
+
+
+def _panel(pid: int, p: Panel, pos: dict[str, int]) -> dict[str, Any]:
+    defaults: dict[str, Any] = {"unit": p.unit, **p.options}
+    if p.kind == "timeseries":
+        defaults["custom"] = {"lineWidth": 2, "fillOpacity": 0, "showPoints": "never"}
+    return {
+        "id": pid,
+        "type": p.kind,
+        "title": p.title,
+        "description": p.description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": pos,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "expr": t.expr,
+                "legendFormat": t.legend,
+                "refId": chr(ord("A") + i),
+            }
+            for i, t in enumerate(p.targets)
+        ],
+    }
+
+
+def _variables() -> list[dict[str, Any]]:
+    return [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus"},
+        {
+            "name": "run",
+            "label": "Run",
+            "type": "query",
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": "label_values(ray_diloco_tokens_total, run)", "refId": "run"},
+            "refresh": 2,
+            "includeAll": True,
+            "multi": True,
+            "allValue": ".*",
+        },
+        {
+            "name": "window",
+            "label": "Rate window",
+            "type": "custom",
+            "query": "30s,1m,5m,15m",
+            "current": {"text": "1m", "value": "1m"},
+        },
+    ]
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="write the ray_diloco Grafana dashboard")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render())
+    print(f"wrote {args.out} ({len(PANELS)} panels over {len(series())} series)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

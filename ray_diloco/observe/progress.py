@@ -1,0 +1,131 @@
+"""Layer: observe. What a watcher of a Ray run sees, as data (no Ray, no JAX).
+
+`ProgressTracker.point` turns one poll of the synchronizer's and the supervisor's status into a
+progress point: a JSON-ready dict that the driver appends to `run_dir/metrics.jsonl` and hands to
+its progress callback (the CLI's live display, `observe/display.py`), and that the run report plots
+(`observe/run_report.py`). Rates are measured between polls: tokens/s over the last `RATE_WINDOW_S`
+(not since the start, which boot and compile time would drag down for minutes; of the boot, with no
+token yet, only its last poll counts), steps/s per learner since the previous poll. Per learner it
+also remembers since when the learner is in its state and when the synchronizer last merged one of
+its contributions. A learner that joins the running job is shown from the first poll whose
+supervisor status names it.
+
+Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `heldout_loss`,
+`rounds`, `contributors` (mean per round), `live`, `goodput`, `uptime`, `restarts` and
+`recovery` (median seconds per fault kind), `bytes_up`/`bytes_down` (per learner link),
+`learners` (per learner: region, state, since, incarnation, restarts, degraded, steps_per_s,
+merged, last_merge_t) and `dashboard_url` (the Ray dashboard, when there is one).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+RATE_WINDOW_S = 10.0
+BOOT_STATES = frozenset({"starting", "compiling"})
+
+
+@dataclass
+class _Learner:
+    state: str = ""
+    since: float = 0.0
+    step: int | None = None
+    step_t: float = 0.0
+    merged: int | None = None
+    merged_t: float | None = None
+
+
+class ProgressTracker:
+    def __init__(
+        self, budget: int, regions: Mapping[str, str], dashboard_url: str | None = None
+    ) -> None:
+        self.budget, self.regions, self.dashboard_url = budget, dict(regions), dashboard_url
+        self._tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._learners = {name: _Learner() for name in regions}
+
+    def point(self, t: float, st: Mapping[str, Any], sup: Mapping[str, Any]) -> dict[str, Any]:
+        """The progress point at run time `t` from the synchronizer's status `st` and the
+        supervisor's `sup`."""
+        tokens = int(st["tokens"])
+        rate = self._token_rate(t, tokens)
+        remaining = max(0, self.budget - tokens)
+        return {
+            "t": t,
+            "tokens": tokens,
+            "budget": self.budget,
+            "tokens_per_s": rate,
+            "eta_s": remaining / rate if rate > 0 else None,
+            "heldout_loss": st["heldout_loss"],
+            "rounds": st["rounds"],
+            "contributors": st["mean_contributors"],
+            "live": len(st["live"]),
+            "goodput": sup["goodput"],
+            "uptime": sup["uptime"],
+            "restarts": {n: ls["restarts"] for n, ls in sup.get("learners", {}).items()},
+            "recovery": {kind: r["recovery_s_median"] for kind, r in sup["recovery"].items()},
+            "bytes_up": dict(st["bytes_up"]),
+            "bytes_down": dict(st["bytes_down"]),
+            "learners": {name: self._learner(name, t, st, sup) for name in self._follow(sup)},
+            "dashboard_url": self.dashboard_url,
+        }
+
+    def _follow(self, sup: Mapping[str, Any]) -> list[str]:
+        """The learners to show: the config's, and every learner that joined the running job
+        since (the supervisor's status names it, with its region), in the order they came."""
+        for name, row in sup.get("learners", {}).items():
+            if name not in self._learners:
+                self._learners[name] = _Learner()
+                self.regions[name] = str(row.get("region", "local"))
+        return list(self._learners)
+
+    def _token_rate(self, t: float, tokens: int) -> float:
+        self._tokens.append((t, tokens))
+        # Samples of the last RATE_WINDOW_S, at least two, and of the boot only the last one:
+        # seconds of compiling at 0 tokens in the window made the first ETA ten times too long.
+        while len(self._tokens) > 2 and (
+            t - self._tokens[0][0] > RATE_WINDOW_S or self._tokens[1][1] == 0
+        ):
+            self._tokens.popleft()
+        t_old, tokens_old = self._tokens[0]
+        return (tokens - tokens_old) / (t - t_old) if t > t_old else 0.0
+
+    def _learner(
+        self, name: str, t: float, st: Mapping[str, Any], sup: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        seen = self._learners[name]
+        watched = sup.get("learners", {}).get(name, {})
+        state = str(watched.get("state", "starting"))
+        if state != seen.state:
+            seen.state, seen.since = state, t
+        # The synchronizer's step of the learner survives restarts (a new incarnation resumes
+        # at its ledger cursor), so the rate never jumps back.
+        step = int(st["learners"].get(name, {}).get("step", 0))
+        rate = None
+        if seen.step is not None and t > seen.step_t:
+            rate = max(0.0, (step - seen.step) / (t - seen.step_t))
+        seen.step, seen.step_t = step, t
+        merged = int(st["contributions_merged"].get(name, 0))
+        if seen.merged is not None and merged > seen.merged:
+            seen.merged_t = t
+        seen.merged = merged
+        return {
+            "region": self.regions[name],
+            "state": state,
+            "since": seen.since,
+            "incarnation": watched.get("incarnation", 0),
+            "restarts": watched.get("restarts", 0),
+            "degraded": sorted(watched.get("degraded") or []),
+            "steps_per_s": rate,
+            "merged": merged,
+            "last_merge_t": seen.merged_t,
+        }
+
+
+def booting(point: Mapping[str, Any]) -> bool:
+    """No token trained yet and every learner still starting or compiling: the run boots."""
+    learners = point.get("learners") or {}
+    states = {ls["state"] for ls in learners.values()}
+    return point.get("tokens", 0) == 0 and bool(states) and states <= BOOT_STATES

@@ -1,0 +1,174 @@
+"""Layer: observe. The run report (no Ray, no JAX): `report.html` and its pictures in the run dir.
+
+Written by the driver at the end of every run and by `ray-diloco report RUN_DIR` for a
+finished or a running one. It reads only the run dir: `config.json`, the event tape
+`events.jsonl`, the progress points `metrics.jsonl` and, once the run finished, `summary.json`.
+`report.html` is one self-contained file (pictures embedded) with the key figures, the pictures
+of `observe/run_plots.py`, each learner's time per state and every injected fault's detection and
+recovery; the pictures are also written as PNGs next to it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+
+from ray_diloco.control.recovery import fault_outcomes
+from ray_diloco.observe.record import RunRecord
+from ray_diloco.observe.report import duration, human, state_word
+
+PICTURES = ("loss_timeline.png", "rounds.png", "goodput.png", "links.png")
+REPORT_FILES = ("report.html", *PICTURES)
+CAPTIONS = {
+    "loss_timeline.png": "Held-out loss of the global parameters against run time, with "
+    "injected faults, detected failures and recoveries; below, each learner's state over time.",
+    "rounds.png": "Contributions merged per round, and the grace window each round allowed "
+    "after reaching quorum against the time it actually waited.",
+    "goodput.png": "Goodput (productive over allocated learner time) and uptime (share of "
+    "the run in which the global model advanced) of the run so far.",
+    "links.png": "Bytes each learner's link moved: contributions up, published fragments down.",
+}
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write report.html and the PNGs into `run_dir`; returns the path of report.html."""
+    from ray_diloco.observe.run_plots import FIGURES
+
+    rec = RunRecord.load(run_dir)
+    pngs: dict[str, bytes] = {}
+    for name, draw in FIGURES.items():
+        buf = io.BytesIO()
+        draw(rec).savefig(buf, format="png", dpi=110)
+        pngs[name] = buf.getvalue()
+        (rec.run_dir / name).write_bytes(pngs[name])
+    path = rec.run_dir / "report.html"
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(render_html(rec, pngs))
+    tmp.replace(path)
+    return path
+
+
+def render_html(rec: RunRecord, pngs: dict[str, bytes]) -> str:
+    sections = [
+        f"<h1>Run {_e(rec.name)}</h1>",
+        f"<p class='status'>{_e(_status(rec))}</p>",
+        _table(["measure", "value"], _key_figures(rec)),
+    ]
+    for name, data in pngs.items():
+        src = "data:image/png;base64," + base64.b64encode(data).decode()
+        sections.append(
+            f"<figure><img src='{src}' alt='{_e(name)}'>"
+            f"<figcaption>{_e(CAPTIONS.get(name, ''))} ({_e(name)})</figcaption></figure>"
+        )
+    sections += ["<h2>Learners</h2>", _learners(rec), "<h2>Injected faults</h2>", _faults(rec)]
+    return _PAGE.format(title=_e(f"ray_diloco run {rec.name}"), body="\n".join(sections))
+
+
+def _status(rec: RunRecord) -> str:
+    where = f"run dir {rec.run_dir.resolve()}"
+    if rec.summary is not None:
+        reason = rec.summary.get("stop_reason", "finished")
+        return f"Finished after {duration(rec.end_t)} ({reason}); {where}."
+    return (
+        f"Not finished: as of {duration(rec.end_t)} of run time (running, or its driver "
+        f"stopped); {where}."
+    )
+
+
+def _key_figures(rec: RunRecord) -> list[list[str]]:
+    """From the summary of a finished run, else from its newest progress point."""
+    last = rec.points[-1] if rec.points else {}
+    now = rec.summary or {**last, "mean_contributors": last.get("contributors")}
+    loss = now.get("heldout_loss")
+    rows = [
+        ["tokens trained", f"{human(now.get('tokens', 0))} of {human(rec.config['token_budget'])}"],
+        ["held-out loss", _f(loss, "{:.4f}")],
+        ["rounds", str(now.get("rounds", 0))],
+        ["mean contributors per round", _f(now.get("mean_contributors"))],
+        ["goodput", _f(now.get("goodput"))],
+        ["uptime", _f(now.get("uptime"))],
+        ["run time", duration(rec.end_t)],
+    ]
+    s = rec.summary
+    if s is not None:
+        rejected = ", ".join(f"{k}: {v}" for k, v in s["rejected"].items())
+        rows += [
+            ["tokens per second (whole run)", human(s["tokens_per_s"])],
+            ["bytes moved", f"{human(s['bytes_total'])} ({s['bytes_per_token']:.1f} per token)"],
+            ["failures detected", str(s["num_failures"])],
+            ["rejected contributions", rejected or "none"],
+        ]
+    return rows
+
+
+def _learners(rec: RunRecord) -> str:
+    states = ["starting", "compiling", "training", "blocked", "restarting", "dead"]
+    spans = rec.state_spans()
+    last = (rec.points[-1] if rec.points else {}).get("learners", {})
+    rows = []
+    for name in rec.learner_names:
+        seconds = {s: 0.0 for s in states}
+        for state, start, end in spans.get(name, []):
+            if state in seconds:
+                seconds[state] += end - start
+        now = last.get(name, {})
+        rows.append(
+            [
+                rec.label(name),
+                state_word(now.get("state", "–")),
+                str(now.get("restarts", 0)),
+                str(now.get("merged", "–")),
+                *(f"{seconds[s]:.1f}" for s in states),
+            ]
+        )
+    head = ["learner", "state", "restarts", "merged", *(f"{state_word(s)} (s)" for s in states)]
+    return _table(head, rows)
+
+
+def _faults(rec: RunRecord) -> str:
+    outcomes = fault_outcomes(rec.events, rec.regions)
+    if not outcomes:
+        return "<p>none</p>"
+    rows = [
+        [
+            o.fault,
+            o.target or "–",
+            f"{o.t:.1f}",
+            _f(o.detection_s, "{:.2f}"),
+            _f(o.recovery_s, "{:.2f}"),
+        ]
+        for o in outcomes
+    ]
+    return _table(["fault", "target", "at (s)", "detected after (s)", "recovered after (s)"], rows)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _f(value: float | None, fmt: str = "{:.3f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }}
+table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; }}
+th, td {{ border-bottom: 1px solid #ddd; padding: 0.25em 0.8em; text-align: right; }}
+th:first-child, td:first-child {{ text-align: left; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
+figcaption {{ color: #555; font-size: 0.9em; }} .status {{ color: #555; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""

@@ -1,0 +1,182 @@
+"""Layer: runtime (Ray shell). One learner over several hosts.
+
+Every host of the learner runs the same `LearnerCore` as one `jax.distributed` job (CPU: gloo
+collectives) over one mesh of every device of every host (algorithm/sharding.py): parameters
+and optimizer state laid out by the task's sharding (FSDP by default), each batch split over
+the mesh, and the collectives inside the jitted step. Only host 0 (the leader) talks to the
+synchronizer: a fragment it offers is gathered to every host at its due step (a collective
+over the slice's fast links, one DCN upload per learner). At every step boundary it
+broadcasts what the other hosts must do (`HostLink.share_step`: the fragments it received,
+whether to stop and the data leases it was given: every host reads the same global batch and
+gives the mesh its rows) with `multihost_utils.broadcast_one_to_all`, and at start the
+snapshot and data it registered with, so all hosts apply the same fragments at the same step.
+A learner with one host uses `LocalLink`, which passes everything through.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ray_diloco.config import LearnerGroupConfig
+
+logger = logging.getLogger(__name__)
+
+Received = tuple[int, int, Any]  # fragment, version, values (leaf path -> array)
+Leases = list[tuple[int, int, int]]  # (part, start, end) of the data pool's leases
+
+
+def free_address() -> str:
+    """host:port for the jax.distributed coordinator on this (leader) host."""
+    import ray
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = int(s.getsockname()[1])
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Join the learner's jax.distributed job; before anything else touches JAX here."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only used on CPU
+    logger.info("host %d/%d joins jax.distributed at %s", process_id, num_processes, coordinator)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def shutdown() -> None:
+    import jax
+
+    jax.distributed.shutdown()
+
+
+def emulation_env(lg: LearnerGroupConfig, has_tpu: bool | None = None) -> dict[str, str]:
+    """What this host's environment needs before JAX starts for the learner's mesh to have
+    `lg.host_devices` devices here: a CPU learner, or a TPU learner on a host without the TPU
+    runtime (an emulated slice: tests, laptops), runs JAX on the CPU with one device per chip.
+    A real TPU or GPU host needs nothing. `has_tpu` None: whether libtpu is installed."""
+    if lg.accelerator.startswith("tpu"):
+        if has_tpu is None:
+            has_tpu = importlib.util.find_spec("libtpu") is not None
+        if has_tpu:
+            return {}
+    elif lg.accelerator != "cpu":
+        return {}
+    flags = [
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={lg.host_devices}")
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+
+
+def learner_devices(lg: LearnerGroupConfig) -> list[Any]:
+    """Every device of the learner (all its hosts' once `initialize` ran), checked against
+    its config: a host that sees another count was started without its devices."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) != lg.num_devices:
+        raise RuntimeError(
+            f"learner {lg.name}: JAX sees {len(devices)} devices over {jax.process_count()} "
+            f"process(es), its config {lg.num_hosts} host(s) x {lg.host_devices} (the host's "
+            "XLA_FLAGS or TPU runtime do not match devices_per_host / the slice shape)"
+        )
+    return devices
+
+
+class LocalLink:
+    """One host: it is the leader and has nobody to tell."""
+
+    leader = True
+
+    def share_start(self, snapshot: Any, data: tuple[int, int, Leases]) -> tuple[Any, Any]:
+        return snapshot, data
+
+    def share_step(
+        self, items: list[Received], stop: bool, leases: Leases
+    ) -> tuple[list[Received], bool, Leases]:
+        return items, stop, leases
+
+    def close(self) -> None:
+        pass
+
+
+class HostLink:
+    """Host 0's decisions, broadcast to every host of the learner."""
+
+    def __init__(self, fragments: tuple[tuple[str, ...], ...], shapes: Mapping[str, Any]) -> None:
+        import jax
+
+        self.fragments = fragments
+        self.shapes = {k: tuple(shapes[k]) for frag in fragments for k in frag}
+        self.leader = jax.process_index() == 0
+
+    def _broadcast(self, tree: Any) -> Any:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.broadcast_one_to_all(tree, is_source=self.leader)
+
+    def _values(self, p: int, values: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        tree = {
+            k: np.asarray(values[k], np.float32)
+            if values is not None
+            else np.zeros(self.shapes[k], np.float32)
+            for k in self.fragments[p]
+        }
+        return {k: np.asarray(v) for k, v in self._broadcast(tree).items()}
+
+    def _leases(self, leases: Leases) -> Leases:
+        count = np.asarray(self._broadcast(np.array([len(leases)], np.int64)))[0]
+        table = np.zeros((int(count), 3), np.int64)
+        if self.leader and count:
+            table[:] = leases
+        return [tuple(int(x) for x in row) for row in np.asarray(self._broadcast(table))]  # type: ignore[misc]
+
+    def share_start(
+        self, snapshot: Any, data: tuple[int, int, Leases]
+    ) -> tuple[Any, tuple[int, int, Leases]]:
+        """Host 0's snapshot and data (cursor, offset into the first lease, leases)."""
+        num = len(self.fragments)
+        header = np.zeros(num + 2, np.int64)
+        if self.leader:
+            header[0], header[1] = data[0], data[1]
+            header[2:] = [snapshot[p][0] for p in range(num)]
+        header = np.asarray(self._broadcast(header))
+        out = {
+            p: (int(header[p + 2]), self._values(p, snapshot[p][1] if self.leader else None))
+            for p in range(num)
+        }
+        return out, (int(header[0]), int(header[1]), self._leases(data[2]))
+
+    def share_step(
+        self, items: list[Received], stop: bool, leases: Leases
+    ) -> tuple[list[Received], bool, Leases]:
+        num = len(self.fragments)
+        newest: dict[int, Received] = {}
+        for item in items:  # the core keeps only the newest version of a fragment anyway
+            if item[0] not in newest or item[1] > newest[item[0]][1]:
+                newest[item[0]] = item
+        header = np.full(2 + 2 * num, -1, np.int64)
+        if self.leader:
+            header[0], header[1] = int(stop), len(newest)
+            for i, (p, v, _) in enumerate(sorted(newest.values(), key=lambda e: e[0])):
+                header[2 + 2 * i], header[3 + 2 * i] = p, v
+        header = np.asarray(self._broadcast(header))
+        shared = []
+        for i in range(int(header[1])):
+            p, v = int(header[2 + 2 * i]), int(header[3 + 2 * i])
+            values = newest[p][2] if self.leader else None
+            shared.append((p, v, self._values(p, values)))
+        return shared, bool(header[0]), self._leases(leases)
+
+    def close(self) -> None:
+        shutdown()
