@@ -176,6 +176,53 @@ def overhead(data: dict[str, Any]) -> str:
     return markdown_table(rows, ["measure", "value"])
 
 
+def sharded_learner(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    s, goals = meta["summary"], meta["goals"]
+
+    def goal(key: str, most: bool) -> str:
+        value, bound = s[key], goals[key]
+        ok = value <= bound if most else value >= bound
+        return f"{'<=' if most else '>='} {bound} ({'met' if ok else 'missed'})"
+
+    pairs = ", ".join(f"{r:.3f}" for r in s["tokens_ratio_per_pair"])
+    k = s["handoff_ratio_by_kind"]
+    low, high = s["load_avg_1min_range"]
+    rows = [
+        {
+            "measure": "params + optimizer state per device, fsdp 4 / replicated",
+            "value": f"**{s['bytes_ratio']:.3f}x**",
+            "goal": goal("bytes_ratio", most=True),
+        },
+        {
+            "measure": "learner tokens/s, ray-diloco / bare jitted FSDP loop (median of pairs)",
+            "value": f"**{s['tokens_ratio']:.3f}** ({pairs})",
+            "goal": goal("tokens_ratio", most=False),
+        },
+        {
+            "measure": "the same per CPU-second (median of pairs)",
+            "value": f"{s['tokens_per_cpu_s_ratio']:.3f}",
+            "goal": "",
+        },
+        {
+            "measure": "step time, hand-off steps / others (copies started; collected, encoded)",
+            "value": f"**{s['handoff_ratio']:.3f}x** ({k['begin']:.3f}x, {k['collect']:.3f}x)",
+            "goal": goal("handoff_ratio", most=True),
+        },
+        {
+            "measure": "peak RSS of the learner process per parameter",
+            "value": f"{s['peak_bytes_per_param']:.1f} bytes",
+            "goal": "reported",
+        },
+        {
+            "measure": "1-minute load average during the runs (2 cores)",
+            "value": f"{low:.1f} .. {high:.1f}",
+            "goal": "",
+        },
+    ]
+    return markdown_table(rows, ["measure", "value", "goal"])
+
+
 RECOVERY_NAMES = {"kill_host_multi": "kill_host (two-host v5p learner)"}
 
 
@@ -388,6 +435,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "bandwidth_sim": bandwidth_sim,
     "scavenging": scavenging,
     "synchronizer": synchronizer,
+    "sharded_learner": sharded_learner,
 }
 
 

@@ -9,8 +9,8 @@ global-norm clipping, then AdamW with linear warm-up and cosine decay to
 `final_lr_fraction * lr`; weight decay skips leaves of fewer than 2 dimensions (biases, norm
 scales: decaying a scale towards 0 fights the normalisation it exists for). The inner state is
 kept when a fragment is overwritten by the synchronizer (section 4 Decision), so nothing here
-knows about fragments. All functions are pure and donate no buffers: the learner keeps
-references to old parameters (host copies for offers).
+knows about fragments. All functions are pure; a learner jits the step with its mesh's
+shardings, donating the parameters and optimizer state (algorithm/sharding.py).
 """
 
 from __future__ import annotations

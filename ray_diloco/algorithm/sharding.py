@@ -315,7 +315,9 @@ class ShardedLayout:
         finds done. A leaf this process does not address whole (sharded over several hosts)
         is first gathered to every device (one collective every host of the learner runs at
         the same step: fragments fall due by step count)."""
-        if not array.is_fully_addressable:
+        if array.is_fully_addressable:
+            array = _copy(array)  # the step donates the parameters: the offer keeps its own
+        else:
             array = self._gather(array).addressable_data(0)
         array.copy_to_host_async()
         return array
@@ -343,13 +345,19 @@ class ShardedLayout:
 
     def jit_step(self, step: Callable[..., Any], tx: optax.GradientTransformation) -> Any:
         """`step(flat params, opt_state, batch)` jitted with this layout's shardings in and
-        out: the same input layouts on every call, so it compiles once."""
+        out (the same input layouts on every call, so it compiles once), donating the
+        parameters and the optimizer state: a chip holds one copy of them, not two. (JAX
+        keeps a buffer that a host view still reads, and copies it instead.)"""
         params, state = self.shardings, self.state_shardings(tx)
         return jax.jit(
             step,
             in_shardings=(params, state, self.batch_sharding),
             out_shardings=(params, state, self.replicated),
+            donate_argnums=(0, 1),
         )
+
+
+_copy = jax.jit(jnp.copy)
 
 
 @functools.lru_cache(maxsize=64)

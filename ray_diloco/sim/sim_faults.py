@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.config import RunConfig
 from ray_diloco.control.chaos import chaos_schedule
@@ -53,6 +56,10 @@ def lost_steps(core: LearnerCore) -> float:
     return sum(per_fragment) / len(per_fragment)
 
 
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(jnp.copy, tree)
+
+
 @dataclass
 class DataParallelCheckpoint:
     """What a data-parallel job restarts from: parameters, optimizer state and data cursor."""
@@ -64,13 +71,13 @@ class DataParallelCheckpoint:
 
     @classmethod
     def take(cls, core: LearnerCore) -> DataParallelCheckpoint:
-        # JAX arrays are immutable: holding references is a faithful snapshot.
-        return cls(dict(core.params), core.opt_state, core.cursor, core.step)
+        # Copies on the devices: the learner's step donates the arrays it is given.
+        return cls(_copy(core.params), _copy(core.opt_state), core.cursor, core.step)
 
     def restore(self, core: LearnerCore) -> int:
         """Roll `core` back; returns the number of steps that must be redone."""
         redo = core.step - self.step
-        core.params, core.opt_state = dict(self.params), self.opt_state
+        core.params, core.opt_state = _copy(self.params), _copy(self.opt_state)
         core.seek(self.cursor)
         core.step = self.step
         return redo
