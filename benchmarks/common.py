@@ -1,6 +1,6 @@
 """Shared plumbing for the benchmark scripts: where results go and how they are written.
 
-Each benchmark prints a table, writes `<name>.json` and a dated `<name>-YYYY-MM-DD.md` under
+Each benchmark prints a table, writes `<name>.json` and `<name>.md` under
 `benchmarks/results/` (or `--out`), with the command line and the machine it ran on.
 """
 
@@ -86,7 +86,8 @@ def cache_compilations() -> None:
 def write_results(
     out: Path, name: str, rows: list[dict[str, Any]], columns: list[str], meta: dict[str, Any]
 ) -> Path:
-    """Print the table and write JSON + dated markdown; returns the markdown path."""
+    """Print the table and write JSON + markdown (git keeps their history); returns the
+    markdown path."""
     out.mkdir(parents=True, exist_ok=True)
     # the script that ran (`name` is e.g. "goodput-quick" for a --quick run of goodput.py),
     # quoted as a shell would need it (variant names have spaces and commas)
@@ -95,7 +96,7 @@ def write_results(
     table = markdown_table(rows, columns)
     print(table)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    md = out / f"{name}-{meta['date']}.md"
+    md = out / f"{name}.md"
     md.write_text(
         f"# {name}\n\nCommand: `{command}`  \nMachine: {meta['machine']}  \n"
         f"Date: {meta['date']}\n\n{table}\n"

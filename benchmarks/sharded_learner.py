@@ -66,7 +66,7 @@ def emulate_devices(count: int = DEVICES) -> None:
 
 emulate_devices()
 
-from common import parser  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from common import parser, write_results  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 GPT2_SMALL = {
     "vocab_size": 50257,
@@ -749,21 +749,7 @@ def write(
     out: Path, name: str, rows: list[dict[str, Any]], meta: dict[str, Any]
 ) -> tuple[Path, Path]:
     """JSON and markdown (the table with its command, machine and date)."""
-    import datetime as dt
-
-    from ray_diloco.observe.report import machine, markdown_table
-
-    out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-    meta = {"command": command, "machine": machine(), "date": dt.date.today().isoformat(), **meta}
-    table = markdown_table(rows, ["measure", "value", "goal", "met"])
-    print(table)
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    md = out / f"{name}.md"
-    md.write_text(
-        f"# {name}\n\nCommand: `{command}`  \nMachine: {meta['machine']}  \n"
-        f"Date: {meta['date']}\n\n{table}\n"
-    )
+    md = write_results(out, name, rows, ["measure", "value", "goal", "met"], meta)
     return out / f"{name}.json", md
 
 

@@ -52,8 +52,8 @@ class _FragmentState:
     merging: bool = False
     # Entries of an incarnation that a restart replaced while they were pending: accepted work
     # (the guards passed it while that process was the registered one), merged with the round
-    # like any other. Dropping them, as before 2026-11-28, lost a tenth of all trained tokens
-    # with K = 2 under aggressive failures (benchmarks/goodput.py). Their learners count as in
+    # like any other: dropping them lost a tenth of all trained tokens with K = 2 under
+    # aggressive failures (benchmarks/goodput.py). Their learners count as in
     # (the quorum, "every live learner"), so the round does not wait for the new incarnation's
     # offer: that comes only when the fragment is next due on its schedule, and a synchronous
     # round that waited for it while the learner waited, blocked, on rounds that needed the

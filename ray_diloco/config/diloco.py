@@ -94,8 +94,8 @@ class DilocoConfig(_Frozen):
     # warmup_steps`) once the fragment closed `norm_guard_warmup_rounds` rounds.
     norm_guard: float = Field(10.0, gt=1)
     norm_guard_warmup_rounds: int = Field(5, ge=0)
-    # 4 bits both ways by default (since 2026-11-28): never measurably worse than the bfloat16
-    # wire at any horizon measured (README, "Bandwidth"), at a quarter of the bytes.
+    # 4 bits both ways by default: never measurably worse than the bfloat16 wire at any
+    # horizon measured (README, "Bandwidth"), at a quarter of the bytes.
     wire_dtype: WireDtype = "int4"
     # How a publication goes down. "none": the new value itself, in bfloat16 (float32 when
     # `wire_dtype` is float32). int8/int4/int2: the quantized difference to the version the

@@ -25,7 +25,7 @@ def run_quick(script: str, out: Path, *extra: str) -> dict:
         timeout=600,
     )
     name = script.removesuffix(".py") + "-quick"
-    assert list(out.glob(f"{name}-*.md")), "dated markdown report missing"
+    assert (out / f"{name}.md").exists(), "markdown report missing"
     return json.loads((out / f"{name}.json").read_text())
 
 
