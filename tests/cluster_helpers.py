@@ -127,7 +127,7 @@ def free_port() -> int:
     """A port the OS says is free, never one of Ray's fixed defaults: a node takes those
     itself (its dashboard agent listens on 52365, inside Linux's ephemeral range), and Ray
     refuses to start a node that was handed one for another component (a clean-clone suite
-    run, 2026-11-27: the chaos cluster's head got 52365 for its runtime-env agent)."""
+    run: the chaos cluster's head got 52365 for its runtime-env agent)."""
     from ray._private import ray_constants
 
     taken = {
@@ -155,7 +155,7 @@ def patient_node_start(
     - the agents' ports are chosen up front (`AGENT_PORTS`), so the raylet does not wait for
       their files: it waits 15 s (hard-coded in Ray 2.60) for each, then crashes (`ray.init`
       takes no such ports; measured: at load 40 on 2 cores the raylet crashed waiting for
-      metrics_agent_port, at load 15 for metrics_export_port, and on 2026-11-28, beside two
+      metrics_agent_port, at load 15 for metrics_export_port, and, beside two
       busy processes and a chaos test, for a minimal agent's metrics_agent_port);
     - its dashboard agent runs `--minimal` (no HTTP server, no dashboard modules, which the
       tests never use): the raylet also waits 15 s for the agent's HTTP listen port, written
@@ -314,7 +314,7 @@ def _start_head(region: str | None = None, **head_args: Any) -> Any:
 
 
 # Whole-cluster starts a fixture makes before it gives up: a node already up can be declared
-# dead while a later one starts (CI, 2026-11-28, at the suite's start beside the other worker's
+# dead while a later one starts (CI, at the suite's start beside the other worker's
 # imports: a host died of missed health checks while the next host started, so starting that
 # next host again could not help).
 CLUSTER_START_ATTEMPTS = 3
@@ -423,7 +423,7 @@ def scrape_metrics(port: int, wanted: Callable[[str], bool], timeout_s: float = 
     """The local node's Prometheus text once `wanted(text)` holds (metrics arrive every
     report interval); the last text read if it never does. Each read gets 10 s: the shared
     test Ray's text grows to ~800 KB over a suite run, and a loaded agent took over 2 s to
-    serve it (a clean-clone run, 2026-11-28: 2 reads of 20 s answered, the test failed)."""
+    serve it (a clean-clone run: 2 reads of 20 s answered, the test failed)."""
     url, text = f"http://127.0.0.1:{port}/metrics", ""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -32,7 +32,7 @@ OWN_RAY = (
     "test_monitoring.py",
     "test_plan_emulated.py",
 )
-# The longest units, longest first (clean-clone suite runs, 2 cores, 2026-11-27, seconds of
+# The longest units, longest first (clean-clone suite runs, 2 cores, seconds of
 # one worker, per-test start and end times recorded in two runs): the shared-Ray modules 646-756
 # and test_faults 584-631 (one to each worker), test_scavenging 115-133, the quick benchmarks
 # 78, the emulated plans 78, the job server 54, monitoring 54, test_tpu_placement 46. Every

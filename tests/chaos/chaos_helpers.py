@@ -44,24 +44,24 @@ REGIONS = {"us": "us-east5", "v5p": "us-east5", "eu": "europe-west4"}
 #   the reference to 1e-4 (tests/ray/test_train.py), so the gap is in wall-clock timing, not in
 #   the SPMD numerics (an open question);
 # - a 4 s link fault (reference 2.04): 1.60, 1.76 (cut) and 1.69, 2.01 (slow) idle; 1.98, 1.89
-#   (cut) and 2.02 (slow) at load 9; but 2.64 (cut) once in CI, beside the Ray tests
-#   (2026-11-26), when the one-fault bound was +0.6 (the runs had stood at 2.6 a third of the
+#   (cut) and 2.02 (slow) at load 9; but 2.64 (cut) once in CI, beside the Ray tests,
+#   when the one-fault bound was +0.6 (the runs had stood at 2.6 a third of the
 #   way through their budget; that run's cause is not known);
 # - the storm (reference 0.943): 0.87, 1.09, 1.13, 1.17, 1.37, 1.38, 1.52, 1.58 idle; when its
 #   synchronizer kill lands while both learners restart, the shard falls back to its checkpoint
 #   (up to 13 merged rounds rolled back, the outer momentum the checkpoint's): the highest.
 # A merged NaN or stale garbage ends far above it (the untrained model is at 5.56). These runs
-# had `round_step: full` or `fraction`; the references were the sqrt step's from 2026-11-26
+# had `round_step: full` or `fraction`; the references were the sqrt step's
 # (2.170 one-host, 2.285 two-host, 0.940 storm). One CI-equivalent run on it: one-host runs
 # 1.08-2.27 (the lowest trained on past 72k tokens while a fault recovered), the two-host kill
-# 1.67, the storm 0.62. The storm's budget is 120k tokens since 2026-11-27 (reference 1.684):
+# 1.67, the storm 0.62. The storm's budget is 120k tokens (reference 1.684):
 # 1.18 idle, 1.66 beside two busy processes (`--cpu-load 2`). Since the mixing default
-# (`diloco.mixing_alpha: 0.25`, 2026-11-27) the references are 1.866 one-host, 1.946 two-host
+# (`diloco.mixing_alpha: 0.25`) the references are 1.866 one-host, 1.946 two-host
 # and 1.232 for the storm.
 LOSS_TOLERANCE = 0.9
 MIN_UPTIME_WINDOW_S = 4.0
 # 8, not 4: a two-host learner's restart (boot, then compile) took 121 s at load ~25 while the
-# healthy learner trained through 4x the budget before it was back (2026-11-28, a clean-clone
+# healthy learner trained through 4x the budget before it was back (a clean-clone
 # suite run beside a 4-learner training run). A passing run stops at its settling, not here.
 CEILING = 8
 SETTLED = "token budget reached and every fault settled"

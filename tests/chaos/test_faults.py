@@ -47,7 +47,7 @@ pytestmark = pytest.mark.chaos
 # for the storm's many faults (120k; it was 240k, 37 s of paced training, but its faults come
 # over 24 s and the run goes on until they settle anyway). A run goes on past its budget until
 # its faults recovered (the budget used to be raised instead for slow restarts, which a loaded
-# CI machine still outran: 3 failures on 2026-11-26 at 144k tokens).
+# CI machine still outran: 3 failures at 144k tokens).
 BUDGET = 72_000
 STORM_BUDGET = 120_000
 # A test's whole time, the module's cluster start included for the first: a CI run at load
@@ -176,8 +176,8 @@ def refused(run: ChaosRun, reason: str) -> list[str]:
 # the earliest fault it explains (`control/recovery.py`). Not a hang and then another fault: a hung
 # learner counts as up until the hang is detected, so the next fault must wait out the timeout's
 # ceiling (30 s). Merged so, hang_host and remove_node took 165 s in one suite run, against 70 s and
-# 59 s apart in another; kill_group and the corruptions 56 s, against 89 s and 59 s (2026-11-27,
-# clean clones, 2 cores).
+# 59 s apart in another; kill_group and the corruptions 56 s, against 89 s and 59 s (clean
+# clones, 2 cores).
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
@@ -227,7 +227,7 @@ def test_kill_synchronizer_loses_no_round(
     # so are those of a learner the restarted shard has not seen register again yet. An offer
     # no newer than work the restored shard took back from its log (in flight across the kill,
     # or sent again) is fenced as a replay, its work counted once (a busy clean-clone run,
-    # 2026-11-28: 2 such after the kill during a checkpoint write, no round lost).
+    # 2 such after the kill during a checkpoint write, no round lost).
     check_run(
         run,
         reference_loss(BUDGET),
@@ -274,7 +274,7 @@ STORM_MAX_STALE_REFUSALS = 30
 # taken while a restarted peer compiles on the same cores (the straggler comes 0.5 s after the
 # first kill), and a learner starved while it restarts was not training steadily. Their own
 # tests assert that each is seen; here each must be seen and recover, or go unseen. (A CI run at
-# load on 2026-11-26 reached its token ceiling, 4x the budget, with a fault unsettled; its log
+# load reached its token ceiling, 4x the budget, with a fault unsettled; its log
 # did not say which.)
 STORM_MAY_GO_UNNOTICED = frozenset({"straggler", "cut_link"})
 

@@ -1,6 +1,6 @@
 """The test clusters' own start-up (`tests.cluster_helpers.start_cluster`): a node that is
 already up and dies while a later one starts makes the whole cluster start again (CI lost
-every chaos test to that once, 2026-11-28, when only the node being started was retried)."""
+every chaos test to that once, when only the node being started was retried)."""
 
 from __future__ import annotations
 

@@ -21,16 +21,16 @@ def _falls(summary: dict[str, Any]) -> None:
     assert summary["heldout_loss"] < 0.5 * evals[0], evals
     assert summary["ledger_violations"] == []
     # The norm guard may refuse an honest but large contribution, as the chaos checks allow: in
-    # a clean-clone suite run (2026-11-27) one of this 8000-token run's was, on a busy machine,
+    # a clean-clone suite run one of this 8000-token run's was, on a busy machine,
     # while its loss fell from the first evaluation's to 0.055. So may the staleness guard: with
     # K = 1 a learner slowed by a busy machine can come back more than max_staleness_versions
-    # behind (one `stale_version` in a clean-clone suite run, 2026-11-28). Nothing else may be
+    # behind (one `stale_version` in a clean-clone suite run). Nothing else may be
     # refused (malformed, non-finite, fenced, replayed, implausible work would be a bug).
     assert set(summary["rejected"]) <= {"norm_outlier", "stale_version"}, summary["rejected"]
     assert summary["rejected"].get("norm_outlier", 0) <= 2, summary["rejected"]
     # No learner failed (one that cannot load the task crashes), and work was merged. Not that
     # every learner contributed: nobody waits for a late learner, and at the start of a suite
-    # run (2026-11-27) one booted so late that the other spent the 12000 tokens alone.
+    # run one booted so late that the other spent the 12000 tokens alone.
     assert summary["num_failures"] == 0, summary["learners"]
     assert sum(a["contributions_merged"] for a in summary["learners"].values()) > 0
 

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
 # `ray-diloco ...` in a process of its own, whose embedded local Ray starts patiently
 # (`patient_node_start`): Ray waits a hard-coded 30 s for a new raylet to register, which a
-# clean-clone suite run outlasted (2026-11-27: "The current node timed out during startup").
+# clean-clone suite run outlasted ("The current node timed out during startup").
 # It runs the minimal dashboard agent, and the session `--no-dashboard` (nothing scrapes this
 # Ray): the raylet waits 15 s for the agent's HTTP listen port, which the full agent writes
-# only once all its modules loaded, and at load 15 it crashed so (2026-11-28).
+# only once all its modules loaded, and at load 15 it crashed so.
 PATIENT_CLI = (
     "import sys\n"
     "from ray_diloco.cli import main\n"
