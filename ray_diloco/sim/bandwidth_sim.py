@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray, no JAX). Cross-datacenter bandwidth each system needs to keep
+"""Layer: sim (pure, no Ray, no JAX). Cross-datacenter bandwidth each system needs to keep
 its goodput, and the goodput it gets on a given link (algorithm.md section 9).
 
 Each datacenter has one WAN link (full duplex, the same in both directions).

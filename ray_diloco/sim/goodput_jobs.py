@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray, no JAX). How one job reacts to the failures of its slices:
+"""Layer: sim (pure, no Ray, no JAX). How one job reacts to the failures of its slices:
 when it runs and on how many chips (algorithm.md section 10).
 
 A job is a set of slices (`Slices`): the whole cluster (data-parallel, elastic data-parallel)

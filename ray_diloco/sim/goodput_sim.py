@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray, no JAX). Discrete-event goodput simulator at scale
+"""Layer: sim (pure, no Ray, no JAX). Discrete-event goodput simulator at scale
 (algorithm.md sections 9 and 10).
 
 Systems react to the same failure trace (`goodput_trace.make_trace`); each is a job, or a set

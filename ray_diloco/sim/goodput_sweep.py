@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray, no arrays). The goodput sweep over cluster sizes and learner
+"""Layer: sim (pure, no Ray, no arrays). The goodput sweep over cluster sizes and learner
 counts, its markdown table and its plot (algorithm.md section 10).
 
 One failure trace per cluster size is shared by every system and every learner count, so the

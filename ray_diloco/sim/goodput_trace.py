@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray, no JAX). Failure traces, stalls and uptime windows for the
+"""Layer: sim (pure, no Ray, no JAX). Failure traces, stalls and uptime windows for the
 goodput simulator (algorithm.md section 10).
 
 A cluster of N chips is cut into slices of `chips_per_slice` (the unit that fails and is

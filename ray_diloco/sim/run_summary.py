@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray). What a reference run reports: the summary of a DiLoCo
+"""Layer: sim (pure, no Ray). What a reference run reports: the summary of a DiLoCo
 run (tokens, rounds, bytes, refusals, the ledger's accounts) and the measures shared with the
 data-parallel run (goodput, work lost, the fields every summary has). `simulate.py` drives the
 runs; this module only reads their cores."""

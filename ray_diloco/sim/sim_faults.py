@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray). Learner failures in the in-process reference run.
+"""Layer: sim (pure, no Ray). Learner failures in the in-process reference run.
 
 The seeded chaos schedule of `control/chaos.py` decides when which learner dies (every fault
 that takes a learner's process or host down counts: kill_host, kill_group, remove_node,

@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray). The reference run: M learners and the synchronizer in one
+"""Layer: sim (pure, no Ray). The reference run: M learners and the synchronizer in one
 process on a virtual clock (algorithm.md sections 4 to 8).
 
 Every learner step takes `step_time_s / speed` virtual seconds (times `1 + jitter * N(0, 1)`),
