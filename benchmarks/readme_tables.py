@@ -1,4 +1,4 @@
-"""Write the README's results tables from the benchmarks' JSON (issue 6).
+"""Write the README's results tables from the benchmarks' JSON.
 
 Each table sits in README.md between `<!-- results:NAME -->` and `<!-- /results:NAME -->` and is
 rebuilt from `benchmarks/results/NAME.json`, with the command that produced it, the machine

@@ -34,7 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ray_diloco.algorithm.pytree import TreeLayout, path_string
-from ray_diloco.config.schema import MESH_AXES
+from ray_diloco.config.mesh import MESH_AXES
 
 if TYPE_CHECKING:
     from ray_diloco.task import Task
