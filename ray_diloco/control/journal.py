@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_diloco.control.events import Event
+from ray_diloco.control.protocol import LearnerProgress
 
 MAX_EVENTS = 10_000  # a driver that polls every few seconds never falls this far behind
 
 
 @dataclass
-class LearnerProgress:
+class _Progress:
     step: int = 0
     cursor: int = 0
     loss: float | None = None
@@ -30,7 +31,7 @@ class LearnerProgress:
 
 @dataclass
 class Journal:
-    learners: dict[str, LearnerProgress] = field(default_factory=dict)
+    learners: dict[str, _Progress] = field(default_factory=dict)
     evals: list[dict[str, float]] = field(default_factory=list)
     _events: collections.deque[tuple[int, dict[str, Any]]] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_EVENTS)
@@ -40,7 +41,7 @@ class Journal:
     def progress(
         self, learner: str, step: int, cursor: int, loss: float | None, step_time_s: float | None
     ) -> None:
-        p = self.learners.setdefault(learner, LearnerProgress())
+        p = self.learners.setdefault(learner, _Progress())
         p.step, p.cursor = max(p.step, step), max(p.cursor, cursor)
         if loss is not None:
             p.loss = loss
@@ -66,15 +67,11 @@ class Journal:
     def last_loss(self) -> float | None:
         return self.evals[-1]["heldout_loss"] if self.evals else None
 
-    def learner_table(self) -> dict[str, dict[str, Any]]:
+    def learner_table(self) -> dict[str, LearnerProgress]:
+        now = time.time()
         return {
-            name: {
-                "step": p.step,
-                "cursor": p.cursor,
-                "loss": p.loss,
-                "step_time_s": p.step_time_s,
-                "reports": p.reports,
-                "seconds_since_report": time.time() - p.last_report,
-            }
+            name: LearnerProgress(
+                p.step, p.cursor, p.loss, p.step_time_s, p.reports, now - p.last_report
+            )
             for name, p in sorted(self.learners.items())
         }

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ray_diloco.control.protocol import SynchronizerStatus
+
 RATE_WINDOW_S = 10.0
 BOOT_STATES = frozenset({"starting", "compiling"})
 
@@ -46,10 +48,10 @@ class ProgressTracker:
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._learners = {name: _Learner() for name in regions}
 
-    def point(self, t: float, st: Mapping[str, Any], sup: Mapping[str, Any]) -> dict[str, Any]:
+    def point(self, t: float, st: SynchronizerStatus, sup: Mapping[str, Any]) -> dict[str, Any]:
         """The progress point at run time `t` from the synchronizer's status `st` and the
         supervisor's `sup`."""
-        tokens = int(st["tokens"])
+        tokens = int(st.tokens)
         rate = self._token_rate(t, tokens)
         remaining = max(0, self.budget - tokens)
         return {
@@ -58,16 +60,16 @@ class ProgressTracker:
             "budget": self.budget,
             "tokens_per_s": rate,
             "eta_s": remaining / rate if rate > 0 else None,
-            "heldout_loss": st["heldout_loss"],
-            "rounds": st["rounds"],
-            "contributors": st["mean_contributors"],
-            "live": len(st["live"]),
+            "heldout_loss": st.heldout_loss,
+            "rounds": st.rounds,
+            "contributors": st.mean_contributors,
+            "live": len(st.live),
             "goodput": sup["goodput"],
             "uptime": sup["uptime"],
             "restarts": {n: ls["restarts"] for n, ls in sup.get("learners", {}).items()},
             "recovery": {kind: r["recovery_s_median"] for kind, r in sup["recovery"].items()},
-            "bytes_up": dict(st["bytes_up"]),
-            "bytes_down": dict(st["bytes_down"]),
+            "bytes_up": dict(st.bytes_up),
+            "bytes_down": dict(st.bytes_down),
             "learners": {name: self._learner(name, t, st, sup) for name in self._follow(sup)},
             "dashboard_url": self.dashboard_url,
         }
@@ -93,7 +95,7 @@ class ProgressTracker:
         return (tokens - tokens_old) / (t - t_old) if t > t_old else 0.0
 
     def _learner(
-        self, name: str, t: float, st: Mapping[str, Any], sup: Mapping[str, Any]
+        self, name: str, t: float, st: SynchronizerStatus, sup: Mapping[str, Any]
     ) -> dict[str, Any]:
         seen = self._learners[name]
         watched = sup.get("learners", {}).get(name, {})
@@ -102,12 +104,12 @@ class ProgressTracker:
             seen.state, seen.since = state, t
         # The synchronizer's step of the learner survives restarts (a new incarnation resumes
         # at its ledger cursor), so the rate never jumps back.
-        step = int(st["learners"].get(name, {}).get("step", 0))
+        step = st.learners[name].step if name in st.learners else 0
         rate = None
         if seen.step is not None and t > seen.step_t:
             rate = max(0.0, (step - seen.step) / (t - seen.step_t))
         seen.step, seen.step_t = step, t
-        merged = int(st["contributions_merged"].get(name, 0))
+        merged = st.contributions_merged.get(name, 0)
         if seen.merged is not None and merged > seen.merged:
             seen.merged_t = t
         seen.merged = merged

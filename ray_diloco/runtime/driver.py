@@ -33,6 +33,7 @@ import ray
 
 from ray_diloco.config import ConfigError, RunConfig, check_output_dir, config_digest, dump_config
 from ray_diloco.control.events import Event, RunStarted
+from ray_diloco.control.protocol import HostStatus, LearnerProgress, SynchronizerStatus
 from ray_diloco.control.tape import read_tape
 from ray_diloco.observe.progress import ProgressTracker
 from ray_diloco.observe.report import write_json
@@ -265,11 +266,11 @@ class _Run:
             st = self.sync.status(NO_EVENTS, SYNC_START_TIMEOUT_S)
         except ray.exceptions.RayActorError as err:
             raise RuntimeError(f"the synchronizer {s.name!r} could not start: {err}") from err
-        if st["config_digest"] != config_digest(self.cfg) or st["finished"]:
-            what = "finished its run" if st["finished"] else "runs another config"
+        if st.config_digest != config_digest(self.cfg) or st.finished:
+            what = "finished its run" if st.finished else "runs another config"
             raise RuntimeError(
                 f"a synchronizer named {s.name!r} in namespace {s.namespace!r} already exists "
-                f"and {what} (run {st['run']!r}); remove it with `ray kill-actor --name {s.name} "
+                f"and {what} (run {st.run!r}); remove it with `ray kill-actor --name {s.name} "
                 f"--namespace {s.namespace} --force --no-restart` or set synchronizer.name"
             )
 
@@ -279,16 +280,16 @@ class _Run:
         while True:
             time.sleep(self.cfg.metrics.log_every_s)
             st, sup = self._poll()
-            if st["finished"]:
+            if st.finished:
                 return "token budget reached"
-            if st["merge_error"]:
-                logger.error("the synchronizer cannot merge: %s", st["merge_error"])
-                return f"the synchronizer cannot merge ({st['merge_error']})"
+            if st.merge_error:
+                logger.error("the synchronizer cannot merge: %s", st.merge_error)
+                return f"the synchronizer cannot merge ({st.merge_error})"
             if sup["all_gave_up"]:
                 # The learners stop at the budget too: a shard answering late (being restored)
                 # can make the synchronizer's answer older than the supervisor's. Ask again.
                 assert self.sync is not None
-                if self.sync.status(NO_EVENTS, 120)["finished"]:
+                if self.sync.status(NO_EVENTS, 120).finished:
                     return "token budget reached"
                 logger.error("every learner was given up before the token budget")
                 return "every learner gave up"
@@ -296,7 +297,7 @@ class _Run:
             if why:
                 return why
 
-    def _poll(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _poll(self) -> tuple[SynchronizerStatus, dict[str, Any]]:
         """The synchronizer's and the supervisor's status; one progress point from both."""
         assert self.sync is not None
         st = self.sync.status(NO_EVENTS, 120)
@@ -375,17 +376,17 @@ def _wait_name_released(name: str, namespace: str, timeout_s: float = 10.0) -> N
 
 def _summary(
     cfg: RunConfig,
-    st: dict[str, Any],
+    st: SynchronizerStatus,
     sup: dict[str, Any],
     loss: float,
     t0: float,
 ) -> dict[str, Any]:
     """The keys of `run_summary.summarize_diloco` that apply, wall-clock measures, and what the
     supervisor measured from the event tape: goodput, uptime, restarts, faults and recovery."""
-    tokens, wall_s = st["tokens"], time.time() - t0
-    up, down = sum(st["bytes_up"].values()), sum(st["bytes_down"].values())
-    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * st["tokens_per_example"]
-    dp_per_token = 2 * 4 * st["num_params"] * cfg.num_learners / tokens_per_dp_step
+    tokens, wall_s = st.tokens, time.time() - t0
+    up, down = sum(st.bytes_up.values()), sum(st.bytes_down.values())
+    tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * st.tokens_per_example
+    dp_per_token = 2 * 4 * st.num_params * cfg.num_learners / tokens_per_dp_step
     final, watched = sup["final"], sup.get("learners", {})
     names = [lg.name for lg in cfg.learners] + [
         n for n in watched if n not in {lg.name for lg in cfg.learners}
@@ -393,22 +394,22 @@ def _summary(
     return {
         "mode": cfg.diloco.mode,
         "heldout_loss": loss,
-        "num_params": st["num_params"],
-        "evals": [{**e, "t": e["time"] - t0} for e in st["evals"]],
+        "num_params": st.num_params,
+        "evals": [{**e, "t": e["time"] - t0} for e in st.evals],
         "tokens": tokens,
-        "rounds": st["rounds"],
-        "mean_contributors": st["mean_contributors"],
+        "rounds": st.rounds,
+        "mean_contributors": st.mean_contributors,
         "bytes_up": up,
         "bytes_down": down,
         "bytes_total": up + down,
         "bytes_per_token": (up + down) / max(1, tokens),
         "dp_bytes_per_token": dp_per_token,
         "bytes_per_link": {
-            n: {"up": st["bytes_up"].get(n, 0), "down": st["bytes_down"].get(n, 0)} for n in names
+            n: {"up": st.bytes_up.get(n, 0), "down": st.bytes_down.get(n, 0)} for n in names
         },
-        "rejected": st["rejected"],
-        "ledger_violations": st["ledger_violations"],
-        "tokens_dropped": st["tokens_dropped"],
+        "rejected": st.rejected,
+        "ledger_violations": st.ledger_violations,
+        "tokens_dropped": st.tokens_dropped,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / max(wall_s, 1e-9),
         "goodput": sup["goodput"],
@@ -420,16 +421,24 @@ def _summary(
         "synchronizer_restores": sup["synchronizer"]["restores"],
         "learners": {
             n: {
-                "inner_steps": final.get(n, {}).get("step", st["learners"].get(n, {}).get("step")),
-                "tokens": st["learners"].get(n, {}).get("cursor", 0),  # the ledger's cursor
-                "final_cursor": final.get(n, {}).get("cursor"),  # the learner's own
-                "contributions_merged": st["contributions_merged"].get(n, 0),
+                "inner_steps": _final_or_reported(final.get(n), st.learners.get(n), "step"),
+                "tokens": st.learners[n].cursor if n in st.learners else 0,  # the ledger's
+                "final_cursor": final[n].cursor if n in final else None,  # the learner's own
+                "contributions_merged": st.contributions_merged.get(n, 0),
                 "state": watched.get(n, {}).get("state"),
                 "incarnation": watched.get(n, {}).get("incarnation", 0),
                 "restarts": watched.get(n, {}).get("restarts", 0),
                 "seconds": sup["learner_seconds"].get(n, {}),
-                "layout": final.get(n, {}).get("layout"),  # its mesh and bytes per device
+                "layout": final[n].layout if n in final else None,  # mesh and bytes per device
             }
             for n in names
         },
     }
+
+
+def _final_or_reported(
+    final: HostStatus | None, reported: LearnerProgress | None, field: str
+) -> int | None:
+    """A learner's figure from its own final status, else from its last progress report."""
+    source = final if final is not None else reported
+    return None if source is None else int(getattr(source, field))

@@ -157,7 +157,7 @@ def _merged(run: Background, learner: str) -> int:
 
     sync = ray.get_actor(run.cfg.synchronizer.name, namespace=run.cfg.synchronizer.namespace)
     status = ray.get(sync.status.remote(2**62), timeout=60)
-    return int(status["contributions_merged"].get(learner, 0))
+    return int(status.contributions_merged.get(learner, 0))
 
 
 @contextlib.contextmanager

@@ -149,5 +149,5 @@ def test_submitted_job_succeeds_and_keeps_the_detached_synchronizer(
     ray.init(address=head.gcs_address, namespace="diloco-test-job")
     sync: Any = ray.get_actor("sync-job", namespace="ray_diloco")  # outlived the driver
     status_now = ray.get(sync.status.remote(), timeout=30)
-    assert status_now["finished"] and status_now["rounds"] == summary["rounds"]
+    assert status_now.finished and status_now.rounds == summary["rounds"]
     ray.kill(sync, no_restart=True)

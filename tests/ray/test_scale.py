@@ -83,22 +83,24 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
     thread.start()
     sync: Any = None
 
-    def status() -> dict[str, Any]:
-        """The synchronizer's status, {} while it is not up yet (it builds the task first)."""
+    def status() -> tuple[int, dict[str, int]]:
+        """The synchronizer's rounds and merged contributions per learner, (0, {}) while it
+        is not up yet (it builds the task first)."""
         nonlocal sync
         with contextlib.suppress(ValueError, ray.exceptions.GetTimeoutError):
             sync = sync or ray.get_actor("sync-scale", namespace=cfg.synchronizer.namespace)
-            return dict(ray.get(sync.status.remote(), timeout=10))
-        return {}
+            st = ray.get(sync.status.remote(), timeout=10)
+            return st.rounds, st.contributions_merged
+        return 0, {}
 
     deadline = time.monotonic() + 180
-    while status().get("rounds", 0) < 5:
+    while status()[0] < 5:
         assert time.monotonic() < deadline and thread.is_alive(), "the run did not start"
         time.sleep(0.5)
     address = ray.get_runtime_context().gcs_address
     out = _scale(run_dir, address, "--add", "name=extra,batch_size=8")
     assert "learner extra joins the run" in out
-    while status().get("contributions_merged", {}).get("extra", 0) < 3:
+    while status()[1].get("extra", 0) < 3:
         assert time.monotonic() < deadline + 60 and thread.is_alive(), "extra never contributed"
         time.sleep(0.5)
     assert "extra" in _scale(run_dir, address, "--list")
@@ -108,8 +110,8 @@ def test_scale_adds_and_removes_a_learner_in_a_running_job(ray_local: Any, tmp_p
     while not [e for e in read_tape(tape) if isinstance(e, LearnerLeft)]:
         assert time.monotonic() < deadline + 180 and thread.is_alive(), "extra never left"
         time.sleep(0.5)
-    rounds = status().get("rounds", 0)
-    while status().get("rounds", 0) < rounds + 4:
+    rounds = status()[0]
+    while status()[0] < rounds + 4:
         assert time.monotonic() < deadline + 180 and thread.is_alive(), "the run stalled"
         time.sleep(0.5)
     removed.set()

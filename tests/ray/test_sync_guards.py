@@ -42,7 +42,7 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
     (sync,) = create_synchronizer(cfg)
     try:
         reply = ray.get(sync.register.remote("a", 0, [], "local", None, 8), timeout=180)
-        _, values = reply["snapshot"][0]
+        _, values = reply.snapshot[0]
         good = wire.encode_tree({k: np.full_like(v, 0.01) for k, v in values.items()}, "bfloat16")
         name = next(iter(values))
         wrong_shape = dict(good)
@@ -56,12 +56,12 @@ def test_broken_contributions_are_refused_on_the_tape_and_in_the_metrics(
         for m, d, reason in cases:
             assert ray.get(sync.offer.remote(m, d), timeout=60) == reason
         status = ray.get(sync.status.remote(), timeout=60)
-        assert status["rejected"] == {"malformed": 2, "implausible": 1}
-        taped = [e["reason"] for e in status["events"] if e["kind"] == "contribution_rejected"]
+        assert status.rejected == {"malformed": 2, "implausible": 1}
+        taped = [e["reason"] for e in status.events if e["kind"] == "contribution_rejected"]
         assert sorted(taped) == ["implausible", "malformed", "malformed"]
         # nothing moved: no version, no merged contribution, no round
-        assert status["versions"] == {0: 0, 1: 0} and status["contributions_merged"] == {"a": 0}
-        assert status["rounds"] == 0
+        assert status.versions == {0: 0, 1: 0} and status.contributions_merged == {"a": 0}
+        assert status.rounds == 0
         # the synchronizer still takes the honest contribution, once
         assert ray.get(sync.offer.remote(meta, good), timeout=60) == "accepted"
         assert ray.get(sync.offer.remote(meta, good), timeout=60) == "replayed"

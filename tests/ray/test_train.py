@@ -217,7 +217,7 @@ def test_a_run_resumes_after_its_whole_cluster_died(ray_local: Any, tmp_path: Pa
     import ray
 
     sync = ray.get_actor(cfg.synchronizer.name, namespace=cfg.synchronizer.namespace)
-    restored = ray.get(sync.status.remote(2**62), timeout=60)["restored"]
+    restored = ray.get(sync.status.remote(2**62), timeout=60).restored
     ray.kill(sync, no_restart=True)
     # The new synchronizer started from the newest checkpoint and counted the rounds after it.
     assert restored["rounds"] == checkpoint

@@ -22,8 +22,8 @@ def test_progress_only_moves_forward_and_keeps_the_last_loss():
     j.progress("a", step=5, cursor=640, loss=3.0, step_time_s=0.1)
     j.progress("a", step=4, cursor=512, loss=None, step_time_s=None)  # a late report
     row = j.learner_table()["a"]
-    assert (row["step"], row["cursor"], row["loss"], row["step_time_s"]) == (5, 640, 3.0, 0.1)
-    assert row["reports"] == 2
+    assert (row.step, row.cursor, row.loss, row.step_time_s) == (5, 640, 3.0, 0.1)
+    assert row.reports == 2
     assert j.last_loss is None
     j.eval_point(tokens=640, rounds=3, loss=2.5)
     assert j.last_loss == 2.5 and j.evals[0]["rounds"] == 3

@@ -4,6 +4,8 @@ synchronizer does, only shard 0 hands out data, and their statuses add up."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.shards import assign_fragments
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
+from ray_diloco.control.protocol import Registered, SynchronizerStatus
 from ray_diloco.runtime.synchronizer.shards import combine_status
 from tests.sync_helpers import TINY
 
@@ -93,44 +96,64 @@ def test_only_shard_zero_hands_out_data_and_wrong_routing_is_refused(setup: Setu
     assert one.offer(meta, _delta(setup, p, "a", 0), now=1.0) is Verdict.ACCEPTED
 
 
-def _status(shard: int, rounds: int, merged: dict[str, int], violations: list[str]) -> dict:
-    return {
-        "shard": shard,
-        "rounds": rounds,
-        "versions": {shard: rounds},
-        "contributions_merged": merged,
-        "bytes_up": {"a": 10},
-        "bytes_down": {"a": 20},
-        "rejected": {"stale_version": 1},
-        "ledger_violations": violations,
-        "tokens_dropped": 7 * (shard + 1),
-        "merged_incarnations": {"a": shard},
-        "merged_steps": {"a": 10 * (2 - shard)},
-        "registered": {"a": {"incarnation": 0, "versions": {shard: rounds}}},
-        "restored": None,
-        "rss_mb": 100.0,
-        "tokens": 1000,
-        "merge_error": None,
-    }
+def _status(
+    shard: int, rounds: int, merged: dict[str, int], violations: list[str]
+) -> SynchronizerStatus:
+    return SynchronizerStatus(
+        run="r",
+        shard=shard,
+        fragments=[shard],
+        rss_mb=100.0,
+        started_at=0.0,
+        config_digest="d",
+        num_params=10,
+        tokens_per_example=8,
+        tokens=1000,
+        rounds=rounds,
+        versions={shard: rounds},
+        live=["a"],
+        mean_contributors=0.0,
+        contributions_merged=merged,
+        heldout_loss=None,
+        evals=[],
+        bytes_up={"a": 10},
+        bytes_down={"a": 20},
+        rejected={"stale_version": 1},
+        ledger_violations=violations,
+        tokens_dropped=7 * (shard + 1),
+        recovering=[],
+        checkpoint_writing=False,
+        learners={},
+        finished=False,
+        merge_error=None,
+        restored=None,
+        registered={"a": Registered(0, {shard: rounds})},
+        merged_incarnations={"a": shard},
+        merged_steps={"a": 10 * (2 - shard)},
+        events=[],
+        event_seq=0,
+    )
 
 
 def test_combined_status_adds_up_the_shards() -> None:
     st = combine_status(
         [_status(0, 4, {"a": 6}, []), _status(1, 2, {"a": 3, "b": 1}, ["a: fragment 1"])]
     )
-    assert st["rounds"] == 6 and st["versions"] == {0: 4, 1: 2}
-    assert st["contributions_merged"] == {"a": 9, "b": 1}
-    assert st["mean_contributors"] == pytest.approx(10 / 6)
-    assert st["bytes_up"] == {"a": 20} and st["rejected"] == {"stale_version": 2}
-    assert st["ledger_violations"] == ["shard 1: a: fragment 1"]
-    assert st["tokens"] == 1000 and st["tokens_dropped"] == 7  # shard 0's books
-    assert st["merged_steps"] == {"a": 20} and st["merged_incarnations"] == {"a": 0}
-    assert st["registered"]["a"]["versions"] == {0: 4, 1: 2}
-    assert st["merge_error"] is None
+    assert st.rounds == 6 and st.versions == {0: 4, 1: 2}
+    assert st.contributions_merged == {"a": 9, "b": 1}
+    assert st.mean_contributors == pytest.approx(10 / 6)
+    assert st.bytes_up == {"a": 20} and st.rejected == {"stale_version": 2}
+    assert st.ledger_violations == ["shard 1: a: fragment 1"]
+    assert st.tokens == 1000 and st.tokens_dropped == 7  # shard 0's books
+    assert st.merged_steps == {"a": 20} and st.merged_incarnations == {"a": 0}
+    assert st.registered["a"].versions == {0: 4, 1: 2}
+    assert st.merge_error is None
     # A shard that cannot merge makes the whole synchronizer's status say so.
-    broken = _status(1, 2, {"a": 3}, []) | {"merge_error": "the merge of fragment 1 failed"}
+    broken = dataclasses.replace(
+        _status(1, 2, {"a": 3}, []), merge_error="the merge of fragment 1 failed"
+    )
     st = combine_status([_status(0, 4, {"a": 6}, []), broken])
-    assert st["merge_error"] == "shard 1: the merge of fragment 1 failed"
+    assert st.merge_error == "shard 1: the merge of fragment 1 failed"
     # A shard that has not answered yet only leaves its counters out.
     partial = combine_status([_status(0, 4, {"a": 6}, []), None])
-    assert partial["rounds"] == 4 and partial["shards"][1] is None
+    assert partial.rounds == 4 and partial.shards[1] is None

@@ -29,6 +29,7 @@ report). Either way nothing queues without bound behind a slow synchronizer.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import threading
@@ -41,6 +42,7 @@ import ray
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.delay import DelayedCalls
 from ray_diloco.control.events import StopReason
+from ray_diloco.control.protocol import Registration, ReportReply
 from ray_diloco.runtime.errors import classify_ray_error
 from ray_diloco.runtime.synchronizer.shards import shard_handles
 
@@ -101,27 +103,29 @@ class SyncChannel:
 
     # -- registration -------------------------------------------------------------------------
 
-    def register(self, stop: Stop, held: Any = None) -> dict[str, Any]:
+    def register(self, stop: Stop, held: Any = None) -> Registration:
         """Register with every shard; returns the snapshot (every fragment), the data and the
         plan to start from."""
         from ray_diloco.algorithm.shards import fragment_owners
 
         logger.info("learner %s: registering with the synchronizer", self.name)
         replies = [self._register(shard, held) for shard in range(len(self.shards))]
-        reply = dict(replies[0])  # shard 0 hands out the data
-        reply["snapshot"] = {p: v for r in replies for p, v in r["snapshot"].items()}
-        reply["finished"] = any(r["finished"] for r in replies)
-        self.owner = fragment_owners(reply["plan"].sizes, len(self.shards))
-        if reply["finished"]:
+        reply = dataclasses.replace(  # shard 0 hands out the data
+            replies[0],
+            snapshot={p: v for r in replies for p, v in r.snapshot.items()},
+            finished=any(r.finished for r in replies),
+        )
+        self.owner = fragment_owners(reply.plan.sizes, len(self.shards))
+        if reply.finished:
             stop(StopReason.BUDGET, "token budget reached before this learner started")
         return reply
 
-    def _register(self, shard: int, held: Any) -> dict[str, Any]:
+    def _register(self, shard: int, held: Any) -> Registration:
         try:
             ref: Any = self.shards[shard].register.remote(
                 self.name, self.incarnation, [self.me], self.region, held, self.batch_size
             )
-            return cast(dict[str, Any], ray.get(ref, timeout=REGISTER_TIMEOUT_S))
+            return cast(Registration, ray.get(ref, timeout=REGISTER_TIMEOUT_S))
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, ValueError):  # an older incarnation: fenced
                 raise Fenced(str(err.cause)) from err
@@ -143,13 +147,13 @@ class SyncChannel:
         versions = {p: version for p, (version, _) in fragments.items()}
         held = ([lease.as_tuple() for lease in reader.queue], reader.offset, core.cursor, versions)
         reply = self._register(shard, held)
-        if reply["finished"]:
+        if reply.finished:
             stop(StopReason.BUDGET, "token budget reached")
-        self._provide(shard, fragments, reply["wanted"])
+        self._provide(shard, fragments, reply.wanted)
         # A fragment it holds newer than the restored one (which the shard is recovering from
         # the learners) is taken at its own version, the others at the shard's; one whose base
         # is still the newest keeps the steps trained through the outage.
-        snapshot = dict(reply["snapshot"])
+        snapshot = dict(reply.snapshot)
         for p, (version, values) in fragments.items():
             if p in snapshot and version > snapshot[p][0]:
                 snapshot[p] = (version, values)
@@ -217,18 +221,18 @@ class SyncChannel:
             if not ready:
                 return
             try:
-                reply = ray.get(reports.popleft())
+                reply: ReportReply = ray.get(reports.popleft())
             except ray.exceptions.RayError as err:
                 kind = classify_ray_error(err)
                 self.counts[f"report_error_{kind}"] += 1
                 logger.warning("learner %s: report failed (%s): %s", self.name, kind, err)
                 continue
-            if reply["stop"]:
+            if reply.stop:
                 stop(StopReason.BUDGET, "token budget reached")
-            elif not reply["ok"]:
+            elif not reply.ok:
                 self._rejoin(core, stop, shard)
             else:
-                self._leases.extend(reply["leases"])
+                self._leases.extend(reply.leases)
 
     def take_leases(self) -> list[tuple[int, int, int]]:
         """Leases the synchronizer added since the last call, for the next step boundary."""

@@ -18,6 +18,7 @@ import ray
 
 from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import LOOP_ENDED
+from ray_diloco.control.protocol import HostStatus
 from ray_diloco.runtime import resources
 from ray_diloco.runtime.errors import classify_ray_error
 from ray_diloco.runtime.learner.host import LearnerHost
@@ -47,7 +48,6 @@ class LearnerGroup:
         self.name_prefix = name_prefix or cfg.name
         self.placement: resources.LearnerPlacement | None = None
         self.hosts: list[Any] = []
-        self._seen_transitions = 0
 
     def create(
         self,
@@ -88,18 +88,14 @@ class LearnerGroup:
         starts = [h.start.remote(coordinator) for h in self.hosts]
         ray.get(starts, timeout=CALL_TIMEOUT_S * 10)
 
-    def status(self) -> dict[str, Any]:
-        """Host 0's status (it speaks for the learner), with an `alive` flag; never raises."""
+    def status(self) -> HostStatus | None:
+        """Host 0's status (it speaks for the learner); None when it does not answer."""
         try:
-            st: dict[str, Any] = ray.get(
-                self.hosts[0].status.remote(self._seen_transitions), timeout=CALL_TIMEOUT_S
-            )
+            st: HostStatus = ray.get(self.hosts[0].status.remote(), timeout=CALL_TIMEOUT_S)
         except Exception as err:
             kind = classify_ray_error(err)
             logger.warning("learner %s: status failed (%s): %s", self.name, kind, err)
-            return {"learner": self.name, "alive": False, "failure": kind, "transitions": []}
-        self._seen_transitions += len(st["transitions"])
-        st["alive"] = True
+            return None
         return st
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -112,10 +108,10 @@ class LearnerGroup:
             still = []
             for i in pending:
                 try:
-                    st = ray.get(self.hosts[i].status.remote(), timeout=CALL_TIMEOUT_S)
+                    st = ray.get(self.hosts[i].ping.remote(), timeout=CALL_TIMEOUT_S)
                 except Exception:  # a dead host has stopped, too
                     continue
-                if st["state"] not in LOOP_ENDED:  # (a host that left has stopped too)
+                if st.state not in LOOP_ENDED:  # (a host that left has stopped too)
                     still.append(i)
             pending = still
             if pending:

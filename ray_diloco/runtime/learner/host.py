@@ -27,6 +27,7 @@ import ray
 from ray_diloco.algorithm.host_faults import HostFaults
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import LearnerState, StopReason
+from ray_diloco.control.protocol import HostPing, HostStatus, Registration
 from ray_diloco.observe.log import setup_logging
 from ray_diloco.runtime.learner.channel import Fenced, SyncChannel
 from ray_diloco.runtime.learner.compile_cache import use_compilation_cache
@@ -63,7 +64,6 @@ class LearnerHost:
         self.stop_reason = StopReason.REQUESTED  # why the loop ends, once `_stop` is set
         self.stop_detail = ""  # the same in words, for people
         self._leaving = False
-        self.transitions: list[dict[str, Any]] = []
         self.state = LearnerState.STARTING
         self._set_state(LearnerState.STARTING, "created")
         self.core: LearnerCore | None = None
@@ -105,23 +105,22 @@ class LearnerHost:
             self.counts["received"] += 1
             self._cond.notify_all()
 
-    def status(self, since_transition: int = 0) -> dict[str, Any]:
+    def status(self) -> HostStatus:
         core = self.core
-        return {
-            "learner": self.name,
-            "host": self.host_index,
-            "incarnation": self.incarnation,
-            "state": self.state.value,
-            "step": core.step if core else 0,
-            "cursor": core.cursor if core else 0,
-            "loss": self.loss,
-            "counts": dict(self.counts),
-            "error": self.error,
-            "stop_reason": self.stop_reason.value,
-            "stop_detail": self.stop_detail,
-            "transitions": self.transitions[since_transition:],
-            "layout": self.layout,  # algorithm/sharding.LayoutReport, once the core is built
-        }
+        return HostStatus(
+            learner=self.name,
+            host=self.host_index,
+            incarnation=self.incarnation,
+            state=self.state,
+            step=core.step if core else 0,
+            cursor=core.cursor if core else 0,
+            loss=self.loss,
+            counts=dict(self.counts),
+            stop_reason=self.stop_reason,
+            stop_detail=self.stop_detail,
+            error=self.error,
+            layout=self.layout,
+        )
 
     def leave(self, reason: str = "requested") -> None:
         """Leave the run for good at the next step boundary: host 0 first sends a last
@@ -139,21 +138,20 @@ class LearnerHost:
         with self._cond:
             self._cond.notify_all()
 
-    def ping(self) -> dict[str, Any]:
+    def ping(self) -> HostPing:
         """A cheap liveness answer: who this is, where it runs, how far it got."""
-        ctx = ray.get_runtime_context()
-        return {
-            "learner": self.name,
-            "host": self.host_index,
-            "incarnation": self.incarnation,
-            "pid": os.getpid(),
-            "node_id": ctx.get_node_id(),
-            "state": self.state.value,
-            "step": self.core.step if self.core else 0,
-            "stop_reason": self.stop_reason.value,
-            "stop_detail": self.stop_detail,
-            "error": self.error,
-        }
+        return HostPing(
+            learner=self.name,
+            host=self.host_index,
+            incarnation=self.incarnation,
+            state=self.state,
+            step=self.core.step if self.core else 0,
+            stop_reason=self.stop_reason,
+            stop_detail=self.stop_detail,
+            error=self.error,
+            pid=os.getpid(),
+            node_id=ray.get_runtime_context().get_node_id(),
+        )
 
     def inject_fault(self, kind: str, duration_s: float = 0.0, factor: float = 1.0) -> str:
         """Chaos (runtime/supervisor/faults.py): become a straggler for a while, or corrupt the next
@@ -232,16 +230,16 @@ class LearnerHost:
         from ray_diloco.sim import simulate
 
         cfg, lg = self.cfg, self.lg
-        reply: dict[str, Any] = {"snapshot": None, "plan": plan, "data": (0, 0, [])}
+        reply = Registration(None, {}, (0, 0, []), plan, finished=False)
         if channel is not None:
             reply = channel.register(self.stop)
-        snapshot, (cursor, offset, leases) = link.share_start(reply["snapshot"], reply["data"])
+        snapshot, (cursor, offset, leases) = link.share_start(reply.snapshot, reply.data)
         core = LearnerCore(
             cfg,
             lg,
             task,
             tree,
-            reply["plan"],
+            reply.plan,
             snapshot,
             incarnation=self.incarnation,
             leases=[Lease(*lease) for lease in leases],
@@ -359,4 +357,4 @@ class LearnerHost:
 
     def _set_state(self, state: LearnerState, reason: str) -> None:
         self.state = state
-        self.transitions.append({"time": time.time(), "state": state.value, "reason": reason})
+        logger.debug("learner %s host %d: %s (%s)", self.name, self.host_index, state, reason)

@@ -21,6 +21,7 @@ import ray
 
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import FailureKind
+from ray_diloco.control.protocol import HostPing, HostStatus
 from ray_diloco.runtime.errors import PLACEMENT, TRANSIENT_KINDS, classify_ray_error
 from ray_diloco.runtime.learner.group import LearnerGroup
 from ray_diloco.runtime.resources import LearnerPlacement, release
@@ -28,7 +29,7 @@ from ray_diloco.runtime.supervisor.faults import HostRef
 
 logger = logging.getLogger(__name__)
 
-Answer = tuple[int, dict[str, Any] | None, FailureKind | None, str]  # host, reply, failure, why
+Answer = tuple[int, HostPing | None, FailureKind | None, str]  # host, reply, failure, why
 
 
 def failure_kind(err: BaseException) -> FailureKind | None:
@@ -64,7 +65,7 @@ class LearnerSlot:
         self._reuse: LearnerPlacement | None = None  # a placement kept for the next launch
         self._failure: tuple[int, FailureKind, str] | None = None
         self._pings: dict[int, Any] = {}
-        self.info: dict[int, dict[str, Any]] = {}  # host -> its last answer
+        self.info: dict[int, HostPing] = {}  # host -> its last answer
 
     # -- starting -----------------------------------------------------------------------------
 
@@ -155,7 +156,7 @@ class LearnerSlot:
                 if kind is not None:
                     answers.append((host, None, kind, f"host {host}: {type(err).__name__}"))
                 continue
-            if reply.get("incarnation") == incarnation:
+            if reply.incarnation == incarnation:
                 self.info[host] = reply
                 answers.append((host, reply, None, ""))
         for host, handle in enumerate(group.hosts):
@@ -170,7 +171,7 @@ class LearnerSlot:
         if group is None or not self.started or len(self.info) < len(group.hosts):
             return None
         return [
-            HostRef(h, i, self.info[i].get("pid"), self.info[i].get("node_id"))
+            HostRef(h, i, self.info[i].pid, self.info[i].node_id)
             for i, h in enumerate(group.hosts)
         ]
 
@@ -208,15 +209,14 @@ class LearnerSlot:
             host.leave.remote(reason)
         return True
 
-    def stop(self, timeout_s: float) -> dict[str, Any] | None:
+    def stop(self, timeout_s: float) -> HostStatus | None:
         """Ask the hosts to finish their step and stop; returns host 0's final status."""
         with self._lock:
             group = self.group
         if group is None or not group.hosts:
             return None
         group.stop(timeout_s)
-        status = group.status()
-        return status if status.get("alive") else None
+        return group.status()
 
     def release(self) -> None:
         """Kill the hosts and free every placement group this slot holds."""
@@ -246,10 +246,10 @@ def make_slot(
     )
 
 
-def stop_all(slots: Iterable[LearnerSlot], timeout_s: float) -> dict[str, dict[str, Any]]:
+def stop_all(slots: Iterable[LearnerSlot], timeout_s: float) -> dict[str, HostStatus]:
     """Stop every learner at once (each waits for its hosts' loops); host 0's final status of
     each learner that was still alive."""
-    finals: dict[str, dict[str, Any] | None] = {}
+    finals: dict[str, HostStatus | None] = {}
 
     def stop(slot: LearnerSlot) -> None:
         finals[slot.name] = slot.stop(timeout_s)

@@ -20,9 +20,10 @@ guard). Stragglers and starved learners are recorded
 by `control.degradation`, never restarted. Methods return at once; the driver polls `status()`,
 calls `finish(reason)` at the end and waits for `status()["done"]`, then `shutdown()`.
 
-Membership is elastic (joins, leaves, scavenging, drains, retiring):
-`runtime/supervisor/membership.py`. What a learner's answers and the synchronizer's status say about
-its health (failures, a rejoin, the work a restart throws away): `runtime/supervisor/health.py`.
+The actor is a thin shell over two collaborators it builds and wires: `Membership` (elastic joins,
+leaves, scavenging, drains, retiring: `runtime/supervisor/membership.py`) and `Health` (what a
+learner's answers and the synchronizer's status say: failures, a rejoin, the work a restart throws
+away: `runtime/supervisor/health.py`); both share one `RunPhase`.
 
 The supervisor owns the run's event tape (`run_dir/events.jsonl`, one writer): its own events,
 the synchronizer's journal and the chaos engine's injections go there, with run-clock times
@@ -51,6 +52,7 @@ from ray_diloco.control.events import (
     RunStarted,
 )
 from ray_diloco.control.goodput import compute_goodput
+from ray_diloco.control.protocol import HostStatus
 from ray_diloco.control.recovery import DEGRADE_REASONS, RESTART_REASONS, tape_summary
 from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
 from ray_diloco.control.tape import EventTape
@@ -59,9 +61,9 @@ from ray_diloco.runtime.learner.slot import make_slot, stop_all
 from ray_diloco.runtime.metrics import Metrics
 from ray_diloco.runtime.resources import actor_runtime_env, head_pin_options
 from ray_diloco.runtime.supervisor.faults import ChaosEngine, HostRef
-from ray_diloco.runtime.supervisor.health import HealthDuty
-from ray_diloco.runtime.supervisor.membership import UP as _UP
-from ray_diloco.runtime.supervisor.membership import MembershipDuty
+from ray_diloco.runtime.supervisor.health import Health
+from ray_diloco.runtime.supervisor.membership import UP, Membership, ShardLeaves
+from ray_diloco.runtime.supervisor.phase import RunPhase
 from ray_diloco.runtime.synchronizer.watch import ShardWatch, uptime_window_s
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ def supervisor_name(cfg: RunConfig) -> str:
 
 
 @ray.remote(num_cpus=0, max_concurrency=4, max_restarts=0)  # type: ignore[call-overload]
-class Supervisor(MembershipDuty, HealthDuty):
+class Supervisor:
     def __init__(
         self,
         cfg: RunConfig,
@@ -100,6 +102,7 @@ class Supervisor(MembershipDuty, HealthDuty):
             lg.name: make_slot(cfg, lg, i, log_level, pin_region)
             for i, lg in enumerate(cfg.learners)
         }
+        self.phase = RunPhase()
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
         self.sync = ShardWatch(shards, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
         self.shards = shards
@@ -107,15 +110,32 @@ class Supervisor(MembershipDuty, HealthDuty):
         self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None
         self._lock = threading.Lock()
         self._snapshot: dict[str, Any] = {}
-        self._finish: str | None = None
-        self._run_over = False
         self._done = threading.Event()
         self._stop = threading.Event()
-        self._final: dict[str, Any] = {}
+        self._final: dict[str, HostStatus] = {}
         self._thread: threading.Thread | None = None
         self._end_t: float | None = None  # when the run finished (RunFinished)
-        self._training_since: dict[str, float] = {}  # learner -> its current training spell
-        self._init_membership(cfg)
+        self.membership = Membership(
+            cfg,
+            self.control,
+            self.slots,
+            self.regions,
+            self.degradation,
+            self.phase,
+            lambda lg, index: make_slot(cfg, lg, index, log_level, pin_region),
+            ShardLeaves(shards),
+            self._record,
+        )
+        self.health = Health(
+            self.control,
+            self.slots,
+            self.sync,
+            self.degradation,
+            self.phase,
+            self.membership,
+            self._record_all,
+            self._execute,
+        )
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self._exported_at = -float("inf")
 
@@ -153,37 +173,26 @@ class Supervisor(MembershipDuty, HealthDuty):
         starts from the newest global fragments and reads data from the pool. Returns its
         name; a bad spec or a taken name raises ValueError naming the problem."""
         lg = LearnerGroupConfig.model_validate(spec)
-        if self._taken(lg.name):
-            raise ValueError(f"learner name {lg.name!r} is taken in this run; pick another")
-        if self._headcount() >= self.cfg.elastic.max_learners:
-            raise ValueError(
-                f"the run already has elastic.max_learners={self.cfg.elastic.max_learners} learners"
-            )
-        self._joining.add(lg.name)
-        self._requests.put(("join", lg, None, reason))
+        self.membership.request_join(lg, reason)
         return lg.name
 
     def remove_learner(self, name: str, reason: str = "requested") -> None:
         """Queue a graceful leave of learner `name` (its unsent work is offered first)."""
-        if name not in self.slots or name not in self.control.in_run():
-            raise ValueError(
-                f"no learner {name!r} in the run; learners: {sorted(self.control.in_run())}"
-            )
-        self._requests.put(("leave", name, reason))
+        self.membership.request_leave(name, reason)
 
     def finish(self, reason: str) -> None:
         """End the run: no more chaos or restarts; the learners are stopped, their final
         status collected and RunFinished recorded (`status()["done"]` turns True)."""
-        if self._finish is None:
-            self._finish = reason
+        if self.phase.finish is None:
+            self.phase.finish = reason
             if self._thread is None:
                 self._wind_down()
 
     def shutdown(self) -> None:
         """Kill every learner, free their placement groups, close the tape."""
         self._stop.set()
-        if self.scavenger is not None:
-            self.scavenger.close()
+        if self.membership.scavenger is not None:
+            self.membership.scavenger.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.chaos is not None:
@@ -191,14 +200,14 @@ class Supervisor(MembershipDuty, HealthDuty):
         for slot in self.slots.values():
             slot.release()
         if not self._done.is_set():  # the driver gave up on the run (an error, an interrupt)
-            tokens = int((self.sync.status or {}).get("tokens", 0))
+            tokens = self.sync.status.tokens if self.sync.status is not None else 0
             self.tape.append(RunFinished(self._now(), tokens, "shut down before the end"))
         self.tape.close()
 
     # -- chaos targets (faults.Targets) -------------------------------------------------------
 
     def hosts(self, learner: str) -> list[HostRef] | None:
-        if self.control.watches[learner].state not in _UP:
+        if self.control.watches[learner].state not in UP:
             return None
         return self.slots[learner].hosts()
 
@@ -235,7 +244,7 @@ class Supervisor(MembershipDuty, HealthDuty):
                 self._tick()
             except Exception:  # the loop must survive anything one tick throws
                 logger.exception("supervisor tick failed")
-            if self._finish is not None:
+            if self.phase.finish is not None:
                 self._wind_down()
                 return
             self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
@@ -244,36 +253,36 @@ class Supervisor(MembershipDuty, HealthDuty):
         events, st = self.sync.poll()
         self._record_all(events)
         now = self._now()
-        self._change_membership(now)
+        self.membership.change(now)
         for e in events:
             if not isinstance(e, ContributionRejected):
                 continue
             if e.reason in RESTART_REASONS:  # its state may be corrupt: start it afresh
-                self._failed(e.learner, e.incarnation, FailureKind.NUMERICAL, now, e.reason)
+                self.health.failed(e.learner, e.incarnation, FailureKind.NUMERICAL, now, e.reason)
             elif e.reason in DEGRADE_REASONS and e.incarnation == self.control.incarnation(
                 e.learner
             ):
                 self._record_all(self.degradation.rejected(e.learner, e.reason, now))
         if st is not None:
-            self._on_sync_status(st, now)
-        for name, slot in self.slots.items():
+            self.health.on_sync_status(st, now)
+        for name, slot in list(self.slots.items()):
             failure = slot.take_failure()
             if failure is not None:
-                self._failed(name, failure[0], failure[1], now, failure[2])
+                self.health.failed(name, failure[0], failure[1], now, failure[2])
             for host, reply, kind, why in slot.poll():
                 if kind is not None:
-                    self._failed(name, self.control.incarnation(name), kind, now, why)
+                    self.health.failed(name, self.control.incarnation(name), kind, now, why)
                 elif reply is not None:
-                    self._on_reply(name, host, reply, now)
+                    self.health.on_reply(name, host, reply, now)
         for name in self.control.overdue(now):  # silent: hung, or did its node die?
-            if self._node_lost(name):
+            if self.health.node_lost(name):
                 inc = self.control.incarnation(name)
-                self._failed(name, inc, FailureKind.NODE_LOST, now, "silent; its node died")
+                self.health.failed(name, inc, FailureKind.NODE_LOST, now, "silent; its node died")
         events, commands = self.control.tick(now)
         self._record_all(events)
         self._execute(commands, now)
-        self._retire_given_up(now)
-        if self.chaos is not None and not self._run_over:
+        self.membership.retire_given_up()
+        if self.chaos is not None and not self.phase.over:
             # Every learner's first start is over: it trains, or it failed and was restarted
             # (a first start that never ends is a failure of the startup timeout).
             watches = self.control.watches
@@ -294,35 +303,35 @@ class Supervisor(MembershipDuty, HealthDuty):
         report = compute_goodput(self.tape.events, now, window, live=live)
         self.metrics.goodput(report.goodput, report.uptime)
         for name, watch in self.control.watches.items():
-            self.metrics.learner_up(name, watch.state in _UP)
+            self.metrics.learner_up(name, watch.state in UP)
 
     def _execute(self, commands: list[Command], now: float) -> None:
         for c in commands:
             if isinstance(c, KillLearner):
                 self.slots[c.learner].kill(c.rebuild_group)
                 self._record_all(self.degradation.reset(c.learner, now))
-            elif isinstance(c, StartLearner) and self._finish is None:
+            elif isinstance(c, StartLearner) and self.phase.finish is None:
                 self.slots[c.learner].launch(c.incarnation)
 
     def _update_snapshot(self) -> None:
         learners = self.control.snapshot()
         for name, row in learners.items():
-            info = self.slots[name].info.get(0, {})
+            info = self.slots[name].info.get(0)
             row.update(
-                step=info.get("step"),
+                step=info.step if info is not None else None,
                 degraded=self.degradation.degraded(name),
                 region=self.regions[name],
             )
-        sync = self.sync.status or {}
+        sync = self.sync.status
         snap = {
             "learners": learners,
             # nobody left to train (every learner gave up or left) and nobody about to join
-            "all_gave_up": not self.control.in_run() and not self._joining,
+            "all_gave_up": not self.control.in_run() and not self.membership.joining,
             "synchronizer": {
                 "up": self.sync.up,
                 "restores": self.sync.restores,
-                "rounds": sync.get("rounds", 0),
-                "tokens": sync.get("tokens", 0),
+                "rounds": sync.rounds if sync is not None else 0,
+                "tokens": sync.tokens if sync is not None else 0,
             },
             "chaos": {
                 "injected": self.chaos.injected if self.chaos else 0,
@@ -333,18 +342,18 @@ class Supervisor(MembershipDuty, HealthDuty):
             self._snapshot = snap
 
     def _wind_down(self) -> None:
-        reason = self._finish or "finished"
+        reason = self.phase.finish or "finished"
         logger.info("supervisor winding down: %s", reason)
         if self.chaos is not None:
             self.chaos.close()
-        if self.scavenger is not None:
-            self.scavenger.close()
+        if self.membership.scavenger is not None:
+            self.membership.scavenger.close()
         finals = stop_all(self.slots.values(), STOP_TIMEOUT_S)
         now = self._now()
         for name in self.slots:
             self._record_all(self.control.finished(name, now, reason))
         self._update_snapshot()
-        tokens = int((self.sync.status or {}).get("tokens", 0))
+        tokens = self.sync.status.tokens if self.sync.status is not None else 0
         self.tape.append(RunFinished(now, tokens, reason))
         # The gauges end on the figures the summary prints, not on the last periodic export
         # (up to metrics.log_every_s old; none at all in a run shorter than that).

@@ -277,7 +277,7 @@ class ChaosEngine:
         shard = int(a.target or 0)
         sync = self.targets.synchronizer(shard)
         try:
-            rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S)["rounds"]
+            rounds: int | None = ray.get(sync.status.remote(), timeout=CALL_TIMEOUT_S).rounds
         except ray.exceptions.RayError:
             rounds = None
         # A checkpoint write just begun is still being written when the kill lands.

@@ -1,10 +1,12 @@
-"""Layer: runtime (Ray shell). The supervisor's membership duty: joins and leaves of a running
-job, carried out by the supervisor's control loop (`Supervisor` mixes this in; see its module
-doc). Requests (`add_learner`, `remove_learner`, `elastic.schedule`, the scavenger) are queued
-and carried out on the loop's thread; the drain watch turns a node Ray drains into leaves; a
-leave is graceful (the learner's goodbye first, then the synchronizer takes it out of the
-quorum and its unread data back, acknowledged on the tape as `learner_left`); a learner given
-up on is retired while `elastic.min_learners` others remain.
+"""Layer: runtime (Ray shell). The supervisor's membership logic: joins and leaves of a running job.
+
+Requests (`add_learner`, `remove_learner`, `elastic.schedule`, the scavenger) are queued and
+carried out on the control loop's thread (`change`); the drain watch turns a node Ray drains into
+leaves; a leave is graceful (the learner's goodbye first, then every synchronizer shard takes it
+out of the quorum and its unread data back, acknowledged on the tape as `learner_left`); a
+learner given up on is retired while `elastic.min_learners` others remain. `Membership` is given
+the slots, a slot factory, the shards' leave calls and the drain query, so a test drives it with
+fakes and no Ray.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import ray
 
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.degradation import DegradationMonitor
 from ray_diloco.control.events import Event, LearnerJoined, LearnerLeft, LearnerState
+from ray_diloco.control.protocol import HostPing
 from ray_diloco.control.supervision import Supervision
-from ray_diloco.runtime.learner.slot import make_slot
 from ray_diloco.runtime.supervisor.nodes import Scavenger, draining_nodes
+from ray_diloco.runtime.supervisor.phase import RunPhase
 
 logger = logging.getLogger(__name__)
 
@@ -29,55 +32,133 @@ DRAIN_POLL_S = 1.0  # how often the drain watch asks Ray which nodes it is drain
 UP = frozenset({LearnerState.COMPILING, LearnerState.TRAINING, LearnerState.BLOCKED})
 
 
-class MembershipDuty:
-    # What the supervisor provides (supervisor.py).
-    cfg: RunConfig
-    control: Supervision
-    slots: dict[str, Any]
-    regions: dict[str, str]
-    degradation: DegradationMonitor
-    shards: list[Any]
-    log_level: str
-    pin_region: bool
-    _finish: str | None
-    _run_over: bool
-    _training_since: dict[str, float]
-    _record: Callable[[Event], None]
-    _record_all: Callable[[list[Event]], None]
+class Slot(Protocol):
+    """What membership does with a learner's slot (runtime/learner/slot.py)."""
 
-    def _init_membership(self, cfg: RunConfig) -> None:
+    info: dict[int, HostPing]
+
+    def launch(self, incarnation: int) -> None: ...
+
+    def give_placement(self, placement: Any) -> None: ...
+
+    def leave(self, reason: str) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+S = TypeVar("S", bound=Slot)
+
+
+class ShardLeaves:
+    """Tells every synchronizer shard that a learner left and collects their answers (shard
+    0's: the unread tokens it took back); a failed call (a shard being restored) is resent."""
+
+    def __init__(self, shards: list[Any]) -> None:
+        self.shards = shards
+        self._pending: dict[str, tuple[list[Any], str]] = {}
+
+    def send(self, name: str, reason: str) -> None:
+        self._pending[name] = ([h.leave.remote(name) for h in self.shards], reason)
+
+    def acknowledged(self) -> list[tuple[str, str, int]]:
+        """(learner, reason, tokens given back) of every leave all shards answered."""
+        done = []
+        for name, (refs, reason) in list(self._pending.items()):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
+                continue
+            try:
+                tokens = [int(t) for t in ray.get(refs)]
+            except ray.exceptions.RayError as err:
+                logger.info("leave of %s not acknowledged (%s); resending", name, err)
+                self.send(name, reason)
+                continue
+            del self._pending[name]
+            done.append((name, reason, tokens[0]))
+        return done
+
+
+class Membership(Generic[S]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        control: Supervision,
+        slots: dict[str, S],
+        regions: dict[str, str],
+        degradation: DegradationMonitor,
+        phase: RunPhase,
+        new_slot: Callable[[LearnerGroupConfig, int], S],
+        leaves: ShardLeaves,
+        record: Callable[[Event], None],
+        draining: Callable[[], set[str]] = draining_nodes,
+    ) -> None:
+        self.cfg, self.control, self.slots, self.regions = cfg, control, slots, regions
+        self.degradation, self.phase = degradation, phase
+        self._new_slot, self._leaves, self._record, self._draining = (
+            new_slot,
+            leaves,
+            record,
+            draining,
+        )
         # Membership changes wait here for the control loop (callers never block on it).
         self._requests: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._joining: set[str] = set()  # queued joins, until carried out
-        self._leaving: dict[str, str] = {}  # learner -> why, until it has left
-        self._sync_leaves: dict[str, tuple[list[Any], str]] = {}  # shards' acks awaited
+        self.joining: set[str] = set()  # queued joins, until carried out
+        self.leaving: dict[str, str] = {}  # learner -> why, until it has left
         self._retired: set[str] = set()
         self._drains_polled = 0.0
         self._schedule = list(cfg.elastic.schedule)  # the reference run's, on the run clock
         scavenging = cfg.elastic.scavenge and cfg.elastic.templates
-        self.scavenger = Scavenger(cfg, self._scavenged, self._taken) if scavenging else None
+        self.scavenger = Scavenger(cfg, self._scavenged, self.taken) if scavenging else None
 
-    def _taken(self, name: str) -> bool:
-        return name in self.slots or name in self._joining
+    def _record_all(self, events: list[Event]) -> None:
+        for e in events:
+            self._record(e)
 
-    def _headcount(self) -> int:
-        return len(self.control.in_run()) + len(self._joining)
+    # -- requests (any thread) ----------------------------------------------------------------
+
+    def taken(self, name: str) -> bool:
+        return name in self.slots or name in self.joining
+
+    def headcount(self) -> int:
+        return len(self.control.in_run()) + len(self.joining)
+
+    def request_join(self, lg: LearnerGroupConfig, reason: str) -> None:
+        """Queue `lg` to join; a taken name or a full run raises ValueError naming it."""
+        if self.taken(lg.name):
+            raise ValueError(f"learner name {lg.name!r} is taken in this run; pick another")
+        if self.headcount() >= self.cfg.elastic.max_learners:
+            raise ValueError(
+                f"the run already has elastic.max_learners={self.cfg.elastic.max_learners} learners"
+            )
+        self.joining.add(lg.name)
+        self._requests.put(("join", lg, None, reason))
+
+    def request_leave(self, name: str, reason: str) -> None:
+        """Queue a graceful leave of `name`; one not in the run raises ValueError."""
+        if name not in self.slots or name not in self.control.in_run():
+            raise ValueError(
+                f"no learner {name!r} in the run; learners: {sorted(self.control.in_run())}"
+            )
+        self._requests.put(("leave", name, reason))
 
     def _scavenged(self, lg: LearnerGroupConfig, placement: Any) -> bool:
         """The scavenger found room for `lg` (its placement is reserved): join, if allowed."""
-        if self._finish is not None or self._run_over or self._taken(lg.name):
+        if self.phase.ending or self.taken(lg.name):
             return False
-        if self._headcount() >= self.cfg.elastic.max_learners:
+        if self.headcount() >= self.cfg.elastic.max_learners:
             return False
-        self._joining.add(lg.name)
+        self.joining.add(lg.name)
         self._requests.put(("join", lg, placement, "scavenged"))
         return True
 
-    def _change_membership(self, now: float) -> None:
+    # -- the control loop's thread ------------------------------------------------------------
+
+    def change(self, now: float) -> None:
+        """Carry out what is due: scheduled changes, requests, drains, acknowledged leaves."""
         while self._schedule and self._schedule[0].at_s <= now:
             change = self._schedule.pop(0)
             if change.join is not None:
-                self._joining.add(change.join.name)
+                self.joining.add(change.join.name)
                 self._requests.put(("join", change.join, None, "scheduled"))
             else:
                 self._requests.put(("leave", change.leave, "scheduled"))
@@ -86,7 +167,7 @@ class MembershipDuty:
                 request = self._requests.get_nowait()
             except queue.Empty:
                 break
-            if self._finish is not None or self._run_over:
+            if self.phase.ending:
                 continue  # the run is ending: nobody joins or leaves any more
             if request[0] == "join":
                 self._join(request[1], request[2], request[3], now)
@@ -95,11 +176,12 @@ class MembershipDuty:
         if now - self._drains_polled >= DRAIN_POLL_S:
             self._drains_polled = now
             self._leave_draining_nodes(now)
-        self._collect_sync_leaves(now)
+        for name, reason, tokens in self._leaves.acknowledged():
+            self._record(LearnerLeft(now, name, reason, tokens))
 
     def _join(self, lg: LearnerGroupConfig, placement: Any, reason: str, now: float) -> None:
-        self._joining.discard(lg.name)
-        slot = make_slot(self.cfg, lg, len(self.slots), self.log_level, self.pin_region)
+        self.joining.discard(lg.name)
+        slot = self._new_slot(lg, len(self.slots))
         if placement is not None:
             slot.give_placement(placement)
         self.slots[lg.name] = slot
@@ -111,53 +193,32 @@ class MembershipDuty:
         slot.launch(0)
 
     def _start_leave(self, name: str, reason: str, now: float) -> None:
-        if name in self._leaving or name not in self.control.in_run():
+        if name in self.leaving or name not in self.control.in_run():
             return
-        self._leaving[name] = reason
+        self.leaving[name] = reason
         logger.warning("learner %s leaves the run (%s)", name, reason)
         state = self.control.watches[name].state
         if state not in UP or not self.slots[name].leave(reason):
-            self._finish_leave(name, now)  # nothing running to say goodbye
+            self.finish_leave(name, now)  # nothing running to say goodbye
 
-    def _finish_leave(self, name: str, now: float) -> None:
+    def finish_leave(self, name: str, now: float) -> None:
         """The learner said goodbye (or cannot): stop watching it, free its hosts, and have
         the synchronizer take it out of the quorum and its unread data back."""
-        reason = self._leaving.pop(name, "left")
+        reason = self.leaving.pop(name, "left")
         self._record_all(self.control.leave(name, now, reason))
-        self._training_since.pop(name, None)
         self.slots[name].release()
-        self._sync_leaves[name] = (self._leave_all(name), reason)
-
-    def _leave_all(self, name: str) -> list[Any]:
-        """Tell every shard that `name` left (shard 0 takes its data back)."""
-        return [h.leave.remote(name) for h in self.shards]
-
-    def _collect_sync_leaves(self, now: float) -> None:
-        """Acknowledged leaves go on the tape with the data they gave back (shard 0's answer);
-        failed calls (a shard being restored) are sent again."""
-        for name, (refs, reason) in list(self._sync_leaves.items()):
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(ready) < len(refs):
-                continue
-            try:
-                tokens = [int(t) for t in ray.get(refs)]
-            except ray.exceptions.RayError as err:
-                logger.info("leave of %s not acknowledged (%s); resending", name, err)
-                self._sync_leaves[name] = (self._leave_all(name), reason)
-                continue
-            del self._sync_leaves[name]
-            self._record(LearnerLeft(now, name, reason, tokens[0]))
+        self._leaves.send(name, reason)
 
     def _leave_draining_nodes(self, now: float) -> None:
-        draining = draining_nodes()
+        draining = self._draining()
         if not draining:
             return
         for name in self.control.in_run():
-            nodes = {str(info.get("node_id")) for info in self.slots[name].info.values()}
+            nodes = {info.node_id for info in self.slots[name].info.values()}
             if nodes & draining:
                 self._start_leave(name, "its node is being drained (preemption)", now)
 
-    def _retire_given_up(self, now: float) -> None:
+    def retire_given_up(self) -> None:
         """A learner out of restarts leaves the run (its data back to the pool, out of the
         quorum) while at least `elastic.min_learners` others remain."""
         for name, w in self.control.watches.items():
@@ -167,4 +228,4 @@ class MembershipDuty:
                 return
             self._retired.add(name)
             self.slots[name].release()
-            self._sync_leaves[name] = (self._leave_all(name), "retired: gave up")
+            self._leaves.send(name, "retired: gave up")

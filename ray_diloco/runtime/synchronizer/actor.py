@@ -47,6 +47,12 @@ from ray_diloco.control.delay import DelayedCalls
 from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.control.journal import Journal
 from ray_diloco.control.merge_health import MergeHealth
+from ray_diloco.control.protocol import (
+    Registered,
+    Registration,
+    ReportReply,
+    SynchronizerStatus,
+)
 from ray_diloco.observe.log import setup_logging
 from ray_diloco.runtime.learner.compile_cache import use_compilation_cache
 from ray_diloco.runtime.metrics import Metrics
@@ -108,7 +114,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         self._closing: dict[tuple[int, int], RoundClosed] = {}  # committed, not yet delivered
         # Per learner: the incarnation and versions it registered with, and the incarnation
         # and step of its last merged contribution (the supervisor detects rejoins from them).
-        self.registered: dict[str, dict[str, Any]] = {}
+        self.registered: dict[str, Registered] = {}
         self.merged_by: dict[str, tuple[int, int]] = {}
         self.merge_health = MergeHealth()
         self._init_evaluation()
@@ -134,7 +140,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         region: str = LOCAL_REGION,
         held: tuple[Any, ...] | None = None,
         batch_size: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> Registration:
         """Admit `incarnation` of `learner` (fencing older ones) and return what it adopts: the
         latest published version of every fragment, its data (cursor, offset into the first
         lease, leases), the fragment plan (one source for every learner) and `wanted`: per
@@ -155,7 +161,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             if self.store is not None:
                 versions = held[3] if held is not None and len(held) > 3 else {}
                 self.store.registered(learner, versions)
-            self.registered[learner] = {"incarnation": incarnation, "versions": a.versions}
+            self.registered[learner] = Registered(incarnation, dict(a.versions))
             self.hosts[learner] = list(host_handles)
             self.regions[learner] = region
             snapshot = self.core.snapshot()
@@ -164,15 +170,8 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         logger.info(
             "registered learner %s incarnation %d at cursor %d", learner, incarnation, a.cursor
         )
-        finished = self.finished_at is not None
         data = (a.cursor, a.offset, [lease.as_tuple() for lease in a.leases])
-        return {
-            "snapshot": snapshot,
-            "wanted": wanted,
-            "data": data,
-            "plan": plan,
-            "finished": finished,
-        }
+        return Registration(snapshot, wanted, data, plan, finished=self.finished_at is not None)
 
     @ray.method(concurrency_group="control")
     def leave(self, learner: str) -> int:
@@ -204,7 +203,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         cursor: int,
         loss: float | None,
         dropped: int = 0,
-    ) -> dict[str, Any]:
+    ) -> ReportReply:
         """A progress report (the heartbeat). `ok` False: this incarnation is fenced (or the
         synchronizer restarted and wants it to register again). `stop`: the budget is spent.
         `leases`: data added to keep the learner supplied. `dropped`: tokens of contributions the
@@ -224,49 +223,49 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
                 self.finished_at = time.time()
                 logger.info("token budget reached (%d tokens)", tokens)
             granted = [lease.as_tuple() for lease in leases or []]
-            return {"ok": ok, "stop": self.finished_at is not None, "leases": granted}
+            return ReportReply(ok, stop=self.finished_at is not None, leases=granted)
 
     @ray.method(concurrency_group="control")
-    def status(self, since_event: int = 0) -> dict[str, Any]:
+    def status(self, since_event: int = 0) -> SynchronizerStatus:
         with self._lock:
             core, now = self.core, self._now()
             rounds = self.rounds()
             merged = {n: a.contributions for n, a in core.ledger.accounts.items()}
             events, seq = self.journal.events_since(since_event)
-            return {
-                "run": self.cfg.name,
-                "shard": self.shard,
-                "fragments": list(self.core.owned),
-                "rss_mb": psutil.Process().memory_info().rss / 2**20,
-                "started_at": self.started_at,
-                "config_digest": config_digest(self.cfg),
-                "num_params": self.setup.num_params(),
-                "tokens_per_example": self.setup.task.data.tokens_per_example,
-                "tokens": core.ledger.tokens_trained,
-                "rounds": rounds,
-                "versions": core.book.versions(),
-                "live": sorted(core.book.live(now)),
-                "mean_contributors": sum(merged.values()) / rounds if rounds else 0.0,
-                "contributions_merged": merged,
-                "heldout_loss": self.journal.last_loss,
-                "evals": list(self.journal.evals),
-                "bytes_up": dict(core.bytes_up),
-                "bytes_down": dict(core.bytes_down),
-                "rejected": dict(core.rejected),
-                "ledger_violations": core.ledger.violations(),
-                "tokens_dropped": core.ledger.tokens_dropped,
-                "recovering": sorted(core.recovering),
-                "checkpoint_writing": self.checkpoints is not None and self.checkpoints.writing,
-                "learners": self.journal.learner_table(),
-                "finished": self.finished_at is not None,
-                "merge_error": self.merge_health.error,
-                "restored": self.restored,
-                "registered": dict(self.registered),
-                "merged_incarnations": {n: inc for n, (inc, _) in self.merged_by.items()},
-                "merged_steps": {n: step for n, (_, step) in self.merged_by.items()},
-                "events": events,
-                "event_seq": seq,
-            }
+            return SynchronizerStatus(
+                run=self.cfg.name,
+                shard=self.shard,
+                fragments=list(self.core.owned),
+                rss_mb=psutil.Process().memory_info().rss / 2**20,
+                started_at=self.started_at,
+                config_digest=config_digest(self.cfg),
+                num_params=self.setup.num_params(),
+                tokens_per_example=self.setup.task.data.tokens_per_example,
+                tokens=core.ledger.tokens_trained,
+                rounds=rounds,
+                versions=core.book.versions(),
+                live=sorted(core.book.live(now)),
+                mean_contributors=sum(merged.values()) / rounds if rounds else 0.0,
+                contributions_merged=merged,
+                heldout_loss=self.journal.last_loss,
+                evals=list(self.journal.evals),
+                bytes_up=dict(core.bytes_up),
+                bytes_down=dict(core.bytes_down),
+                rejected=dict(core.rejected),
+                ledger_violations=core.ledger.violations(),
+                tokens_dropped=core.ledger.tokens_dropped,
+                recovering=sorted(core.recovering),
+                checkpoint_writing=self.checkpoints is not None and self.checkpoints.writing,
+                learners=self.journal.learner_table(),
+                finished=self.finished_at is not None,
+                merge_error=self.merge_health.error,
+                restored=None if self.restored is None else dict(self.restored),
+                registered=dict(self.registered),
+                merged_incarnations={n: inc for n, (inc, _) in self.merged_by.items()},
+                merged_steps={n: step for n, (_, step) in self.merged_by.items()},
+                events=events,
+                event_seq=seq,
+            )
 
     @ray.method(concurrency_group="control")
     def impair_link(self, region: str, duration_s: float, factor: float | None) -> None:

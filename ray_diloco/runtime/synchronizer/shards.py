@@ -15,12 +15,14 @@ learners and evaluations from shard 0: `combine_status`), and the calls that go 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import ray
 
 from ray_diloco.config import RunConfig
+from ray_diloco.control.protocol import ShardSummary, SynchronizerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -43,55 +45,59 @@ def _add(into: dict[str, int], more: dict[str, int]) -> None:
         into[k] = into.get(k, 0) + v
 
 
-def combine_status(statuses: list[dict[str, Any] | None]) -> dict[str, Any]:
+def combine_status(statuses: list[SynchronizerStatus | None]) -> SynchronizerStatus:
     """One synchronizer status from the shards' (`None` for a shard that has not answered:
     its rounds and counters are missing until it does). Shard 0's must be there."""
     first = statuses[0]
     assert first is not None, "shard 0 holds the learners, the data and the evaluations"
-    out = dict(first)
     answered = [st for st in statuses if st is not None]
-    out["rounds"] = sum(st["rounds"] for st in answered)
-    out["versions"] = {p: v for st in answered for p, v in st["versions"].items()}
+    rounds = sum(st.rounds for st in answered)
     merged: dict[str, int] = {}
     up: dict[str, int] = {}
     down: dict[str, int] = {}
     rejected: dict[str, int] = {}
     for st in answered:
-        _add(merged, st["contributions_merged"])
-        _add(up, st["bytes_up"])
-        _add(down, st["bytes_down"])
-        _add(rejected, st["rejected"])
-    out["contributions_merged"] = merged
-    out["bytes_up"], out["bytes_down"], out["rejected"] = up, down, rejected
-    out["mean_contributors"] = sum(merged.values()) / out["rounds"] if out["rounds"] else 0.0
-    out["ledger_violations"] = [
-        f"shard {st['shard']}: {v}" if st["shard"] else v
-        for st in answered
-        for v in st["ledger_violations"]
-    ]
-    out["tokens_dropped"] = first["tokens_dropped"]
-    errors = [(st["shard"], st["merge_error"]) for st in answered if st["merge_error"]]
-    out["merge_error"] = next((f"shard {s}: {e}" if s else e for s, e in errors), None)
+        _add(merged, st.contributions_merged)
+        _add(up, st.bytes_up)
+        _add(down, st.bytes_down)
+        _add(rejected, st.rejected)
+    errors = [(st.shard, st.merge_error) for st in answered if st.merge_error]
     # A learner's last merged contribution, whichever shard merged it.
     latest: dict[str, tuple[int, int]] = {}
     for st in answered:
-        for name, step in st["merged_steps"].items():
+        for name, step in st.merged_steps.items():
             if step >= latest.get(name, (-1, -1))[1]:
-                latest[name] = (st["merged_incarnations"][name], step)
-    out["merged_incarnations"] = {n: inc for n, (inc, _) in latest.items()}
-    out["merged_steps"] = {n: step for n, (_, step) in latest.items()}
-    registered = {n: dict(r) for n, r in first["registered"].items()}
+                latest[name] = (st.merged_incarnations[name], step)
+    registered = dict(first.registered)
     for st in answered[1:]:
-        for name, reg in st["registered"].items():
+        for name, reg in st.registered.items():
             mine = registered.get(name)
-            if mine is not None and mine["incarnation"] == reg["incarnation"]:
-                mine["versions"] = {**mine["versions"], **reg["versions"]}
-    out["registered"] = registered
-    out["shards"] = [
-        None if st is None else {k: st[k] for k in ("shard", "rounds", "restored", "rss_mb")}
-        for st in statuses
-    ]
-    return out
+            if mine is not None and mine.incarnation == reg.incarnation:
+                versions = {**mine.versions, **reg.versions}
+                registered[name] = dataclasses.replace(mine, versions=versions)
+    return dataclasses.replace(
+        first,
+        rounds=rounds,
+        versions={p: v for st in answered for p, v in st.versions.items()},
+        contributions_merged=merged,
+        bytes_up=up,
+        bytes_down=down,
+        rejected=rejected,
+        mean_contributors=sum(merged.values()) / rounds if rounds else 0.0,
+        ledger_violations=[
+            f"shard {st.shard}: {v}" if st.shard else v
+            for st in answered
+            for v in st.ledger_violations
+        ],
+        merge_error=next((f"shard {s}: {e}" if s else e for s, e in errors), None),
+        merged_incarnations={n: inc for n, (inc, _) in latest.items()},
+        merged_steps={n: step for n, (_, step) in latest.items()},
+        registered=registered,
+        shards=[
+            None if st is None else ShardSummary(st.shard, st.rounds, st.restored, st.rss_mb)
+            for st in statuses
+        ],
+    )
 
 
 class ShardSet:
@@ -104,7 +110,7 @@ class ShardSet:
     def first(self) -> Any:
         return self.handles[0]
 
-    def status(self, since_event: int, timeout_s: float) -> dict[str, Any]:
+    def status(self, since_event: int, timeout_s: float) -> SynchronizerStatus:
         """The combined status, waiting for every shard (one being restored answers late)."""
         refs = [h.status.remote(since_event) for h in self.handles]
         return combine_status(ray.get(refs, timeout=timeout_s))

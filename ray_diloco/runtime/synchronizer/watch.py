@@ -27,17 +27,18 @@ from ray_diloco.control.events import (
     SynchronizerRestored,
     event_from_dict,
 )
+from ray_diloco.control.protocol import SynchronizerStatus
 from ray_diloco.runtime.errors import classify_ray_error
 from ray_diloco.runtime.synchronizer.shards import combine_status
 
 logger = logging.getLogger(__name__)
 
 
-def uptime_window_s(sync_every: int, sync_status: dict[str, Any] | None) -> float:
+def uptime_window_s(sync_every: int, sync_status: SynchronizerStatus | None) -> float:
     """Two sync periods of a fragment (`sync_every` steps) at the learners' mean step time
     from the synchronizer's status (at least 1 s): the window uptime is measured in."""
-    learners = (sync_status or {}).get("learners", {})
-    times = [ls["step_time_s"] for ls in learners.values() if ls.get("step_time_s")]
+    learners = sync_status.learners if sync_status is not None else {}
+    times = [ls.step_time_s for ls in learners.values() if ls.step_time_s]
     step = sum(times) / len(times) if times else 1.0
     return max(1.0, 2 * sync_every * step)
 
@@ -55,7 +56,7 @@ class SyncWatch:
         self.handle, self.t0, self.timeout_s, self.clock = handle, t0, timeout_s, clock
         self.shard = shard
         self.startup_timeout_s = startup_timeout_s
-        self.status: dict[str, Any] | None = None  # the latest answer
+        self.status: SynchronizerStatus | None = None  # the latest answer
         self.last_ok: float = clock()
         self.lost = False
         self.restores = 0
@@ -74,7 +75,7 @@ class SyncWatch:
         """The chaos engine is about to kill the synchronizer, which has closed `rounds`."""
         self.rounds_at_kill = rounds
 
-    def poll(self) -> tuple[list[Event], dict[str, Any] | None]:
+    def poll(self) -> tuple[list[Event], SynchronizerStatus | None]:
         """(events for the tape, a new status answer or None)."""
         now = self.clock()
         if self._ref is None:
@@ -85,7 +86,7 @@ class SyncWatch:
             return self._silence(now), None
         ref, self._ref = self._ref, None
         try:
-            st: dict[str, Any] = ray.get(ref)
+            st: SynchronizerStatus = ray.get(ref)
         except ray.exceptions.RayError as err:
             logger.warning("synchronizer status failed (%s): %s", classify_ray_error(err), err)
             return self._silence(now, force=True, detail=type(err).__name__), None
@@ -102,25 +103,28 @@ class SyncWatch:
         why = detail or f"no status answer for {silent:.1f}s"
         return [SynchronizerLost(now, silent, why, self.shard)]
 
-    def _answer(self, st: dict[str, Any], now: float) -> list[Event]:
+    def _answer(self, st: SynchronizerStatus, now: float) -> list[Event]:
         events: list[Event] = []
-        started = st.get("started_at")
+        started = st.started_at
         restarted = self._started_at is not None and started != self._started_at
-        if restarted or st["event_seq"] < self._seq:
-            events += self._new_process(st, now)
+        if restarted or st.event_seq < self._seq:
+            events += self._new_process(now)
+            # This answer was asked with the old process's sequence number: drop its events
+            # and read the new journal from its start with the next call.
+            st = dataclasses.replace(st, events=[], event_seq=0)
         self._started_at = started
-        for e in st["events"]:
+        for e in st.events:
             ev = event_from_dict(e)  # journal events carry wall-clock time
             events.append(dataclasses.replace(ev, t=ev.t - self.t0))
-        restored = st.get("restored") or {}
+        restored = st.restored or {}
         if self._restoring is not None and not restored.get("recovering"):
             events.append(self._restored(restored, now))
-        self._seq = st["event_seq"]
-        self._last_rounds = st["rounds"]
+        self._seq = st.event_seq
+        self._last_rounds = st.rounds
         self.status, self.last_ok, self.lost = st, now, False
         return events
 
-    def _new_process(self, st: dict[str, Any], now: float) -> list[Event]:
+    def _new_process(self, now: float) -> list[Event]:
         """The answer comes from a new synchronizer process: its journal starts afresh, and
         it is restored once its recovery (values from the learners) is over."""
         events: list[Event] = []
@@ -131,10 +135,6 @@ class SyncWatch:
             self.rounds_at_kill if self.rounds_at_kill is not None else self._last_rounds
         )
         self.rounds_at_kill = None
-        # This answer was asked with the old process's sequence number: drop its events and
-        # read the new journal from its start with the next call.
-        st["events"] = []
-        st["event_seq"] = 0
         return events
 
     def _restored(self, restored: dict[str, Any], now: float) -> SynchronizerRestored:
@@ -178,7 +178,7 @@ class ShardWatch:
         return sum(w.restores for w in self.watches)
 
     @property
-    def status(self) -> dict[str, Any] | None:
+    def status(self) -> SynchronizerStatus | None:
         """The shards' latest answers combined (None before shard 0's first)."""
         if self.watches[0].status is None:
             return None
@@ -187,7 +187,7 @@ class ShardWatch:
     def killed(self, shard: int, rounds: int | None) -> None:
         self.watches[shard].killed(rounds)
 
-    def poll(self) -> tuple[list[Event], dict[str, Any] | None]:
+    def poll(self) -> tuple[list[Event], SynchronizerStatus | None]:
         """(every shard's events for the tape, the combined status when a shard answered)."""
         events: list[Event] = []
         answered = False

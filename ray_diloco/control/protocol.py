@@ -1,0 +1,143 @@
+"""Layer: control (pure Python; no Ray, no JAX). What the actors say to each other.
+
+Every answer an actor gives another is one of these frozen dataclasses: a learner host's ping and
+status, the synchronizer's registration and report replies and its status, the supervisor's
+status. Decisions read their typed fields (a `StopReason`, a `LearnerState`), never words; the
+text beside them (`stop_detail`, `error`) is for people and logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_diloco.control.events import LearnerState, StopReason
+
+Lease = tuple[int, int, int]  # part, start, end (algorithm/leases.Lease.as_tuple)
+
+
+@dataclass(frozen=True)
+class HostPing:
+    """A learner host's cheap liveness answer: who it is, where it runs, how far it got."""
+
+    learner: str
+    host: int
+    incarnation: int
+    state: LearnerState
+    step: int
+    stop_reason: StopReason
+    stop_detail: str = ""
+    error: str | None = None
+    pid: int | None = None
+    node_id: str | None = None
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """A learner host's full status (host 0 speaks for its learner)."""
+
+    learner: str
+    host: int
+    incarnation: int
+    state: LearnerState
+    step: int
+    cursor: int
+    loss: float | None
+    counts: dict[str, int]
+    stop_reason: StopReason
+    stop_detail: str = ""
+    error: str | None = None
+    layout: dict[str, Any] | None = None  # algorithm/sharding.LayoutReport, once built
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The synchronizer's answer to a learner that registers: what it adopts."""
+
+    snapshot: Any  # the newest published version of every fragment it owns
+    wanted: dict[int, int]  # fragments being recovered -> the newest version found so far
+    data: tuple[int, int, list[Lease]]  # cursor, offset into the first lease, leases
+    plan: Any  # the fragment plan, one source for every learner
+    finished: bool  # the run's token budget is spent
+
+
+@dataclass(frozen=True)
+class ReportReply:
+    """The synchronizer's answer to a progress report (the heartbeat)."""
+
+    ok: bool  # False: this incarnation is fenced, or the shard restarted and wants it back
+    stop: bool  # the token budget is spent
+    leases: list[Lease] = field(default_factory=list)  # data added to its supply
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The incarnation a learner registered with a shard, and the versions it adopted."""
+
+    incarnation: int
+    versions: dict[int, int]
+
+
+@dataclass(frozen=True)
+class LearnerProgress:
+    """A learner as its progress reports show it (the synchronizer's journal)."""
+
+    step: int
+    cursor: int
+    loss: float | None
+    step_time_s: float | None
+    reports: int
+    seconds_since_report: float
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """One shard's line in a combined status (None in its place: it has not answered)."""
+
+    shard: int
+    rounds: int
+    restored: dict[str, Any] | None
+    rss_mb: float
+
+
+@dataclass(frozen=True)
+class SynchronizerStatus:
+    """A synchronizer shard's status, or every shard's combined (`runtime/synchronizer/shards.py`).
+
+    `events` are the journal's events after the asked sequence number in their tape form
+    (`Event.to_dict`); `restored` is the restore record of a shard that started from a
+    checkpoint (`runtime/synchronizer/restore.py`), None for a fresh one."""
+
+    run: str
+    shard: int
+    fragments: list[int]
+    rss_mb: float
+    started_at: float  # a new value tells watchers the actor was restarted
+    config_digest: str
+    num_params: int
+    tokens_per_example: int
+    tokens: int  # trained, by the ledger
+    rounds: int  # delivered to a learner
+    versions: dict[int, int]
+    live: list[str]
+    mean_contributors: float
+    contributions_merged: dict[str, int]
+    heldout_loss: float | None
+    evals: list[dict[str, float]]
+    bytes_up: dict[str, int]
+    bytes_down: dict[str, int]
+    rejected: dict[str, int]
+    ledger_violations: list[str]
+    tokens_dropped: int
+    recovering: list[int]
+    checkpoint_writing: bool
+    learners: dict[str, LearnerProgress]
+    finished: bool
+    merge_error: str | None
+    restored: dict[str, Any] | None
+    registered: dict[str, Registered]
+    merged_incarnations: dict[str, int]  # learner -> incarnation of its last merged offer
+    merged_steps: dict[str, int]  # learner -> step of its last merged offer
+    events: list[dict[str, Any]]
+    event_seq: int
+    shards: list[ShardSummary | None] = field(default_factory=list)  # combined status only
