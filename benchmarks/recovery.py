@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the emulated cluster lives with the tests
 
 from ray_diloco.control.events import SynchronizerRestored  # noqa: E402
+from ray_diloco.control.protocol import SupervisorStatus  # noqa: E402
 from ray_diloco.control.recovery import fault_outcomes  # noqa: E402
 from ray_diloco.control.tape import read_tape  # noqa: E402
 from tests.chaos.chaos_helpers import (  # noqa: E402
@@ -85,9 +86,9 @@ def run_kind(
     cfg = chaos_config(tmp, row, 10**10, faults, multi_host, jax_cache=tmp / "jax_cache")
     deadline = time.monotonic() + limit_s
 
-    def stop(status: dict[str, Any]) -> str | None:
+    def stop(status: SupervisorStatus) -> str | None:
         replacer.replace_dead()  # a removed node comes back, as the cloud would replace it
-        settled = [f for f in status.get("faults", []) if f["recovered_t"] is not None]
+        settled = [f for f in status.faults if f["recovered_t"] is not None]
         if len(settled) >= repeats:
             return "every fault recovered"
         return "time limit" if time.monotonic() > deadline else None

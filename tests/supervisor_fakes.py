@@ -107,7 +107,14 @@ class Supervised:
         error: str | None = None,
     ) -> None:
         reply = HostPing(
-            name, host, self.control.incarnation(name), state, step, stop, detail, error,
+            name,
+            host,
+            self.control.incarnation(name),
+            state,
+            step,
+            stop,
+            detail,
+            error,
             node_id=f"node-{name}",
         )
         self.slots[name].info[host] = reply

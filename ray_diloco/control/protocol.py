@@ -141,3 +141,49 @@ class SynchronizerStatus:
     events: list[dict[str, Any]]
     event_seq: int
     shards: list[ShardSummary | None] = field(default_factory=list)  # combined status only
+
+
+@dataclass(frozen=True)
+class LearnerRow:
+    """A learner as the supervisor watches it."""
+
+    state: LearnerState
+    incarnation: int
+    restarts: int
+    crash_restarts: int = 0
+    preemption_restarts: int = 0
+    region: str = "local"
+    step: int | None = None  # host 0's last answer
+    degraded: list[str] = field(default_factory=list)  # e.g. slow, starved
+
+
+@dataclass(frozen=True)
+class SynchronizerView:
+    """The synchronizer as the supervisor last saw it."""
+
+    up: bool = False
+    restores: int = 0
+    rounds: int = 0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SupervisorStatus:
+    """The supervisor's status: its learners, the synchronizer, chaos, and what the event tape
+    says so far (goodput and uptime, seconds per learner state, failures, fault outcomes)."""
+
+    t: float  # run time of this status (the end, once the run is over)
+    done: bool  # the run is over and every learner stopped
+    all_gave_up: bool  # nobody left to train and nobody about to join
+    learners: dict[str, LearnerRow]
+    synchronizer: SynchronizerView
+    chaos_injected: int
+    chaos_skipped: int
+    goodput: float
+    uptime: float | None
+    uptime_window_s: float
+    learner_seconds: dict[str, dict[str, float]]
+    num_failures: int
+    recovery: dict[str, dict[str, Any]]  # fault kind -> recovery figures
+    faults: list[dict[str, Any]]  # each injected fault's outcome
+    final: dict[str, HostStatus] = field(default_factory=dict)  # host 0's, once done

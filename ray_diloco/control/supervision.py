@@ -43,6 +43,7 @@ from ray_diloco.control.events import (
     Restart,
 )
 from ray_diloco.control.policy import RestartPolicy
+from ray_diloco.control.protocol import LearnerRow
 
 log = logging.getLogger(__name__)
 
@@ -192,18 +193,18 @@ class Supervision:
     def startup_timeout_s(self) -> float:
         return self.boots.timeout_s()
 
-    def snapshot(self) -> dict[str, dict[str, object]]:
+    def snapshot(self) -> dict[str, LearnerRow]:
         """Per learner: state, incarnation and restarts so far (for status displays)."""
-        out: dict[str, dict[str, object]] = {}
+        out: dict[str, LearnerRow] = {}
         for name, w in self.watches.items():
             book = self.policy.book(name)
-            out[name] = {
-                "state": w.state.value,
-                "incarnation": w.incarnation,
-                "restarts": book.crash_restarts + book.preemption_restarts,
-                "crash_restarts": book.crash_restarts,
-                "preemption_restarts": book.preemption_restarts,
-            }
+            out[name] = LearnerRow(
+                state=w.state,
+                incarnation=w.incarnation,
+                restarts=book.crash_restarts + book.preemption_restarts,
+                crash_restarts=book.crash_restarts,
+                preemption_restarts=book.preemption_restarts,
+            )
         return out
 
     # -- the clock ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ray_diloco.control.protocol import SynchronizerStatus
+from ray_diloco.control.protocol import SupervisorStatus, SynchronizerStatus
 
 RATE_WINDOW_S = 10.0
 BOOT_STATES = frozenset({"starting", "compiling"})
@@ -48,7 +48,7 @@ class ProgressTracker:
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._learners = {name: _Learner() for name in regions}
 
-    def point(self, t: float, st: SynchronizerStatus, sup: Mapping[str, Any]) -> dict[str, Any]:
+    def point(self, t: float, st: SynchronizerStatus, sup: SupervisorStatus) -> dict[str, Any]:
         """The progress point at run time `t` from the synchronizer's status `st` and the
         supervisor's `sup`."""
         tokens = int(st.tokens)
@@ -64,23 +64,23 @@ class ProgressTracker:
             "rounds": st.rounds,
             "contributors": st.mean_contributors,
             "live": len(st.live),
-            "goodput": sup["goodput"],
-            "uptime": sup["uptime"],
-            "restarts": {n: ls["restarts"] for n, ls in sup.get("learners", {}).items()},
-            "recovery": {kind: r["recovery_s_median"] for kind, r in sup["recovery"].items()},
+            "goodput": sup.goodput,
+            "uptime": sup.uptime,
+            "restarts": {n: row.restarts for n, row in sup.learners.items()},
+            "recovery": {kind: r["recovery_s_median"] for kind, r in sup.recovery.items()},
             "bytes_up": dict(st.bytes_up),
             "bytes_down": dict(st.bytes_down),
             "learners": {name: self._learner(name, t, st, sup) for name in self._follow(sup)},
             "dashboard_url": self.dashboard_url,
         }
 
-    def _follow(self, sup: Mapping[str, Any]) -> list[str]:
+    def _follow(self, sup: SupervisorStatus) -> list[str]:
         """The learners to show: the config's, and every learner that joined the running job
         since (the supervisor's status names it, with its region), in the order they came."""
-        for name, row in sup.get("learners", {}).items():
+        for name, row in sup.learners.items():
             if name not in self._learners:
                 self._learners[name] = _Learner()
-                self.regions[name] = str(row.get("region", "local"))
+                self.regions[name] = row.region
         return list(self._learners)
 
     def _token_rate(self, t: float, tokens: int) -> float:
@@ -95,11 +95,11 @@ class ProgressTracker:
         return (tokens - tokens_old) / (t - t_old) if t > t_old else 0.0
 
     def _learner(
-        self, name: str, t: float, st: SynchronizerStatus, sup: Mapping[str, Any]
+        self, name: str, t: float, st: SynchronizerStatus, sup: SupervisorStatus
     ) -> dict[str, Any]:
         seen = self._learners[name]
-        watched = sup.get("learners", {}).get(name, {})
-        state = str(watched.get("state", "starting"))
+        watched = sup.learners.get(name)
+        state = watched.state.value if watched is not None else "starting"
         if state != seen.state:
             seen.state, seen.since = state, t
         # The synchronizer's step of the learner survives restarts (a new incarnation resumes
@@ -117,9 +117,9 @@ class ProgressTracker:
             "region": self.regions[name],
             "state": state,
             "since": seen.since,
-            "incarnation": watched.get("incarnation", 0),
-            "restarts": watched.get("restarts", 0),
-            "degraded": sorted(watched.get("degraded") or []),
+            "incarnation": watched.incarnation if watched is not None else 0,
+            "restarts": watched.restarts if watched is not None else 0,
+            "degraded": sorted(watched.degraded) if watched is not None else [],
             "steps_per_s": rate,
             "merged": merged,
             "last_merge_t": seen.merged_t,

@@ -33,7 +33,12 @@ import ray
 
 from ray_diloco.config import ConfigError, RunConfig, check_output_dir, config_digest, dump_config
 from ray_diloco.control.events import Event, RunStarted
-from ray_diloco.control.protocol import HostStatus, LearnerProgress, SynchronizerStatus
+from ray_diloco.control.protocol import (
+    HostStatus,
+    LearnerProgress,
+    SupervisorStatus,
+    SynchronizerStatus,
+)
 from ray_diloco.control.tape import read_tape
 from ray_diloco.observe.progress import ProgressTracker
 from ray_diloco.observe.report import write_json
@@ -65,7 +70,7 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl", *REPORT_FILES)
 NO_EVENTS = 2**62  # a journal sequence number beyond any: status without the event list
 
 Progress = Callable[[dict[str, Any]], None]
-StopWhen = Callable[[dict[str, Any]], str | None]
+StopWhen = Callable[[SupervisorStatus], str | None]
 
 
 def run_training(
@@ -285,7 +290,7 @@ class _Run:
             if st.merge_error:
                 logger.error("the synchronizer cannot merge: %s", st.merge_error)
                 return f"the synchronizer cannot merge ({st.merge_error})"
-            if sup["all_gave_up"]:
+            if sup.all_gave_up:
                 # The learners stop at the budget too: a shard answering late (being restored)
                 # can make the synchronizer's answer older than the supervisor's. Ask again.
                 assert self.sync is not None
@@ -297,11 +302,11 @@ class _Run:
             if why:
                 return why
 
-    def _poll(self) -> tuple[SynchronizerStatus, dict[str, Any]]:
+    def _poll(self) -> tuple[SynchronizerStatus, SupervisorStatus]:
         """The synchronizer's and the supervisor's status; one progress point from both."""
         assert self.sync is not None
         st = self.sync.status(NO_EVENTS, 120)
-        sup: dict[str, Any] = ray.get(self.sup.status.remote(), timeout=120)
+        sup: SupervisorStatus = ray.get(self.sup.status.remote(), timeout=120)
         point = self.tracker.point(self._t(), st, sup)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(point) + "\n")
@@ -321,7 +326,7 @@ class _Run:
         """Stop the learners (through the supervisor), evaluate once more, write the summary."""
         ray.get(self.sup.finish.remote(reason), timeout=60)
         deadline = time.monotonic() + 2 * STOP_TIMEOUT_S
-        while not (sup := ray.get(self.sup.status.remote(), timeout=120))["done"]:
+        while not (sup := ray.get(self.sup.status.remote(), timeout=120)).done:
             if time.monotonic() > deadline:
                 logger.warning("the supervisor did not stop the learners in time")
                 break
@@ -377,7 +382,7 @@ def _wait_name_released(name: str, namespace: str, timeout_s: float = 10.0) -> N
 def _summary(
     cfg: RunConfig,
     st: SynchronizerStatus,
-    sup: dict[str, Any],
+    sup: SupervisorStatus,
     loss: float,
     t0: float,
 ) -> dict[str, Any]:
@@ -387,7 +392,7 @@ def _summary(
     up, down = sum(st.bytes_up.values()), sum(st.bytes_down.values())
     tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * st.tokens_per_example
     dp_per_token = 2 * 4 * st.num_params * cfg.num_learners / tokens_per_dp_step
-    final, watched = sup["final"], sup.get("learners", {})
+    final, watched = sup.final, sup.learners
     names = [lg.name for lg in cfg.learners] + [
         n for n in watched if n not in {lg.name for lg in cfg.learners}
     ]  # and every learner that joined
@@ -412,23 +417,23 @@ def _summary(
         "tokens_dropped": st.tokens_dropped,
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / max(wall_s, 1e-9),
-        "goodput": sup["goodput"],
-        "uptime": sup["uptime"],
-        "uptime_window_s": sup["uptime_window_s"],
-        "num_failures": sup["num_failures"],
-        "recovery": sup["recovery"],
-        "faults": sup["faults"],
-        "synchronizer_restores": sup["synchronizer"]["restores"],
+        "goodput": sup.goodput,
+        "uptime": sup.uptime,
+        "uptime_window_s": sup.uptime_window_s,
+        "num_failures": sup.num_failures,
+        "recovery": sup.recovery,
+        "faults": sup.faults,
+        "synchronizer_restores": sup.synchronizer.restores,
         "learners": {
             n: {
                 "inner_steps": _final_or_reported(final.get(n), st.learners.get(n), "step"),
                 "tokens": st.learners[n].cursor if n in st.learners else 0,  # the ledger's
                 "final_cursor": final[n].cursor if n in final else None,  # the learner's own
                 "contributions_merged": st.contributions_merged.get(n, 0),
-                "state": watched.get(n, {}).get("state"),
-                "incarnation": watched.get(n, {}).get("incarnation", 0),
-                "restarts": watched.get(n, {}).get("restarts", 0),
-                "seconds": sup["learner_seconds"].get(n, {}),
+                "state": watched[n].state.value if n in watched else None,
+                "incarnation": watched[n].incarnation if n in watched else 0,
+                "restarts": watched[n].restarts if n in watched else 0,
+                "seconds": sup.learner_seconds.get(n, {}),
                 "layout": final[n].layout if n in final else None,  # mesh and bytes per device
             }
             for n in names

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import ConfigError, build_config, parse_yaml
+from ray_diloco.control.protocol import SupervisorStatus
 
 
 def parse_spec(text: str) -> dict[str, Any]:
@@ -79,8 +80,7 @@ def main(argv: list[str]) -> int:
     except ray.exceptions.RayTaskError as err:
         raise ConfigError(str(err.cause) if err.cause else str(err)) from None
     if args.list or not (specs or args.remove):
-        status: dict[str, Any] = ray.get(sup.status.remote(), timeout=60)
-        learners = status.get("learners", {})
-        for learner, row in sorted(learners.items()):
-            print(f"{learner:16s} {row['state']:10s} incarnation {row['incarnation']}")
+        status: SupervisorStatus = ray.get(sup.status.remote(), timeout=60)
+        for learner, row in sorted(status.learners.items()):
+            print(f"{learner:16s} {row.state.value:10s} incarnation {row.incarnation}")
     return 0

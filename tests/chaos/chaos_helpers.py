@@ -29,6 +29,7 @@ import pytest
 from ray_diloco.config import RunConfig, build_config
 from ray_diloco.control.events import Event, FaultInjected, RoundClosed
 from ray_diloco.control.goodput import uptime
+from ray_diloco.control.protocol import SupervisorStatus
 from ray_diloco.control.recovery import FaultOutcome, fault_outcomes
 from ray_diloco.control.tape import read_tape
 from tests.stop_helpers import stop_after
@@ -174,14 +175,14 @@ def run_chaos(cfg: RunConfig, may_go_unnoticed: frozenset[str] = frozenset()) ->
 
 
 def settled(
-    sup: dict[str, Any], scheduled: int, played_out: Callable[[dict[str, Any]], bool]
+    sup: SupervisorStatus, scheduled: int, played_out: Callable[[dict[str, Any]], bool]
 ) -> bool:
     """From the supervisor's status: every one of the `scheduled` faults was injected or
     skipped (one that cannot be: a host on the head node), and each injected one played out:
     recovered, superseded (taken down again before it was over), or as `played_out` says."""
-    if sup["chaos"]["injected"] + sup["chaos"]["skipped"] < scheduled:
+    if sup.chaos_injected + sup.chaos_skipped < scheduled:
         return False
-    return all([played_out(f) for f in sup["faults"]])  # (each one: it starts their clocks)
+    return all([played_out(f) for f in sup.faults])  # (each one: it starts their clocks)
 
 
 def training_uptime(events: list[Event], summary: dict[str, Any]) -> float:

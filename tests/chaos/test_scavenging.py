@@ -16,6 +16,7 @@ import pytest
 
 from ray_diloco.config import build_config
 from ray_diloco.control.events import FailureDetected, LearnerJoined, LearnerLeft, RoundClosed
+from ray_diloco.control.protocol import SupervisorStatus
 from ray_diloco.control.tape import read_tape
 from tests.chaos.chaos_helpers import chaos_tree, training_uptime
 from tests.cluster_helpers import add_cpu_host
@@ -41,10 +42,10 @@ class Background:
         self.cfg, self.summary, self.error = cfg, None, None
         self._abort, self._finish = threading.Event(), threading.Event()
 
-        def stop(sup: dict[str, Any]) -> str | None:
+        def stop(sup: SupervisorStatus) -> str | None:
             if self._abort.is_set():
                 return "test ended"
-            spent = sup["synchronizer"]["tokens"] >= cfg.inner.decay_tokens
+            spent = sup.synchronizer.tokens >= cfg.inner.decay_tokens
             return FINISHED if self._finish.is_set() and spent else None
 
         def run() -> None:

@@ -82,7 +82,7 @@ def test_a_killed_shard_stalls_only_its_fragments(ray_local: Any, tmp_path: Path
         "chaos.enabled=true",
         'chaos.schedule=[{"at_s": 2, "kind": "kill_synchronizer", "target": "1"}]',
     )
-    stop = stop_after(lambda sup: sup["synchronizer"]["restores"] > 0, budget, RESTORED)
+    stop = stop_after(lambda sup: sup.synchronizer.restores > 0, budget, RESTORED)
     summary = run_training(cfg, progress=lambda line: None, stop_when=stop)
     assert summary["stop_reason"] == RESTORED, summary["stop_reason"]
     assert summary["tokens"] >= budget

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from ray_diloco.config import RunConfig, load_config
+from ray_diloco.control.protocol import SupervisorStatus
 
 pytestmark = pytest.mark.ray
 
@@ -135,8 +136,8 @@ def test_an_interrupted_run_resumes_where_it_stopped(ray_local: Any, tmp_path: P
     pace = ("pace=step_time", "step_time_s=0.05")
     cfg = tiny(tmp_path, "resume", "diloco.mode=decoupled", "token_budget=40000", *pace)
 
-    def crash(status: dict[str, Any]) -> str | None:
-        if status["synchronizer"]["tokens"] >= 8000:
+    def crash(status: SupervisorStatus) -> str | None:
+        if status.synchronizer.tokens >= 8000:
             raise _DriverDied
         return None
 

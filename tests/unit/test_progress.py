@@ -7,33 +7,41 @@ from typing import Any
 
 from rich.console import Console
 
+from ray_diloco.control.events import LearnerState
+from ray_diloco.control.protocol import (
+    LearnerProgress,
+    LearnerRow,
+    SupervisorStatus,
+    SynchronizerStatus,
+)
 from ray_diloco.observe.display import PlainDisplay, progress_display, render
 from ray_diloco.observe.progress import ProgressTracker, booting
 from ray_diloco.observe.report import progress_line
+from tests.status_helpers import supervisor_status, sync_status
 
 REGIONS = {"us-0": "us-east", "eu-0": "eu-west"}
 
 
 def statuses(
     tokens: int, steps: dict[str, int], merged: dict[str, int], states: dict[str, str]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    st = {
-        "tokens": tokens,
-        "heldout_loss": 3.5 if tokens else None,
-        "rounds": sum(merged.values()),
-        "mean_contributors": 1.5,
-        "live": ["us-0"],
-        "bytes_up": {"us-0": 10 * tokens},
-        "bytes_down": {"us-0": 20 * tokens},
-        "learners": {n: {"step": s} for n, s in steps.items()},
-        "contributions_merged": merged,
-    }
-    sup = {
-        "goodput": 0.5,
-        "uptime": 0.9,
-        "learners": {n: {"state": s, "incarnation": 0, "restarts": 0} for n, s in states.items()},
-        "recovery": {"kill_host": {"recovery_s_median": 4.0}},
-    }
+) -> tuple[SynchronizerStatus, SupervisorStatus]:
+    st = sync_status(
+        tokens=tokens,
+        heldout_loss=3.5 if tokens else None,
+        rounds=sum(merged.values()),
+        mean_contributors=1.5,
+        live=["us-0"],
+        bytes_up={"us-0": 10 * tokens},
+        bytes_down={"us-0": 20 * tokens},
+        learners={n: LearnerProgress(s, 0, None, None, 1, 0.0) for n, s in steps.items()},
+        contributions_merged=merged,
+    )
+    sup = supervisor_status(
+        goodput=0.5,
+        uptime=0.9,
+        learners={n: LearnerRow(LearnerState(s), 0, 0) for n, s in states.items()},
+        recovery={"kill_host": {"recovery_s_median": 4.0}},
+    )
     return st, sup
 
 
@@ -88,18 +96,13 @@ def test_a_learner_that_joins_the_running_job_is_shown_and_so_is_its_leave():
     up = {"us-0": "training", "eu-0": "training"}
     tracker.point(10.0, *statuses(1_000, {"us-0": 5, "eu-0": 5}, {}, up))
     st, sup = statuses(1_500, {"us-0": 9, "eu-0": 9, "ap-0": 2}, {"ap-0": 1}, up)
-    sup["learners"]["ap-0"] = {
-        "state": "training",
-        "incarnation": 0,
-        "restarts": 0,
-        "region": "ap-south",
-    }
+    sup.learners["ap-0"] = LearnerRow(LearnerState.TRAINING, 0, 0, region="ap-south")
     p = tracker.point(12.0, st, sup)
     assert list(p["learners"]) == ["us-0", "eu-0", "ap-0"]
     ap = p["learners"]["ap-0"]
     assert ap["region"] == "ap-south" and ap["state"] == "training" and ap["merged"] == 1
     assert "training 3" in progress_line(p, 100_000)
-    sup["learners"]["ap-0"]["state"] = "left"
+    sup.learners["ap-0"] = LearnerRow(LearnerState.LEFT, 0, 0, region="ap-south")
     p = tracker.point(14.0, st, sup)
     assert "training 2, left 1 (ap-0)" in progress_line(p, 100_000)
     assert "ap-south" in _text(render(p, "run local"))

@@ -11,6 +11,7 @@ from ray_diloco.control.events import (
     LearnerState,
     LearnerStateChanged,
 )
+from ray_diloco.control.protocol import LearnerRow
 from ray_diloco.control.supervision import KillLearner, StartLearner, Supervision
 
 CFG = SupervisorConfig(
@@ -103,20 +104,20 @@ def test_numerical_failure_restarts_without_rebuild_and_finished_is_final():
     sup.heartbeat("a", 0, now=1.0)
     _, commands = sup.failed("a", 0, FailureKind.NUMERICAL, now=1.5, detail="non_finite")
     assert commands == [KillLearner("a", 0, rebuild_group=False)]
-    assert sup.snapshot()["a"]["state"] == "restarting"
+    assert sup.snapshot()["a"].state is LearnerState.RESTARTING
     (done,) = sup.finished("a", now=1.6, reason="run over")
     assert done.state is LearnerState.FINISHED and done.reason == "run over"
     assert sup.finished("a", now=1.7) == []
     assert sup.tick(now=10.0)[1] == []  # the pending restart was cancelled
     snap = sup.snapshot()
-    assert snap["a"]["restarts"] == snap["a"]["crash_restarts"] == 1
-    assert snap["b"] == {
-        "state": "starting",
-        "incarnation": 0,
-        "restarts": 0,
-        "crash_restarts": 0,
-        "preemption_restarts": 0,
-    }
+    assert snap["a"].restarts == snap["a"].crash_restarts == 1
+    assert snap["b"] == LearnerRow(
+        state=LearnerState.STARTING,
+        incarnation=0,
+        restarts=0,
+        crash_restarts=0,
+        preemption_restarts=0,
+    )
 
 
 def test_a_learner_answering_slowly_under_load_is_not_hung_but_a_hang_is_found():

@@ -17,6 +17,7 @@ from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
 from ray_diloco.control.protocol import Registered, SynchronizerStatus
 from ray_diloco.runtime.synchronizer.shards import combine_status
+from tests.status_helpers import sync_status
 from tests.sync_helpers import TINY
 
 LEARNERS = ("a", "b")
@@ -99,39 +100,22 @@ def test_only_shard_zero_hands_out_data_and_wrong_routing_is_refused(setup: Setu
 def _status(
     shard: int, rounds: int, merged: dict[str, int], violations: list[str]
 ) -> SynchronizerStatus:
-    return SynchronizerStatus(
-        run="r",
+    return sync_status(
         shard=shard,
         fragments=[shard],
-        rss_mb=100.0,
-        started_at=0.0,
-        config_digest="d",
-        num_params=10,
-        tokens_per_example=8,
         tokens=1000,
         rounds=rounds,
         versions={shard: rounds},
         live=["a"],
-        mean_contributors=0.0,
         contributions_merged=merged,
-        heldout_loss=None,
-        evals=[],
         bytes_up={"a": 10},
         bytes_down={"a": 20},
         rejected={"stale_version": 1},
         ledger_violations=violations,
         tokens_dropped=7 * (shard + 1),
-        recovering=[],
-        checkpoint_writing=False,
-        learners={},
-        finished=False,
-        merge_error=None,
-        restored=None,
         registered={"a": Registered(0, {shard: rounds})},
         merged_incarnations={"a": shard},
         merged_steps={"a": 10 * (2 - shard)},
-        events=[],
-        event_seq=0,
     )
 
 

@@ -32,6 +32,7 @@ the synchronizer's journal and the chaos engine's injections go there, with run-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -52,7 +53,7 @@ from ray_diloco.control.events import (
     RunStarted,
 )
 from ray_diloco.control.goodput import compute_goodput
-from ray_diloco.control.protocol import HostStatus
+from ray_diloco.control.protocol import HostStatus, SupervisorStatus, SynchronizerView
 from ray_diloco.control.recovery import DEGRADE_REASONS, RESTART_REASONS, tape_summary
 from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
 from ray_diloco.control.tape import EventTape
@@ -109,7 +110,22 @@ class Supervisor:
         actions = chaos_schedule(cfg.chaos, names, sorted(set(self.regions.values())), HORIZON_S)
         self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None
         self._lock = threading.Lock()
-        self._snapshot: dict[str, Any] = {}
+        self._snapshot = SupervisorStatus(
+            t=0.0,
+            done=False,
+            all_gave_up=False,
+            learners={},
+            synchronizer=SynchronizerView(),
+            chaos_injected=0,
+            chaos_skipped=0,
+            goodput=0.0,
+            uptime=None,
+            uptime_window_s=0.0,
+            learner_seconds={},
+            num_failures=0,
+            recovery={},
+            faults=[],
+        )
         self._done = threading.Event()
         self._stop = threading.Event()
         self._final: dict[str, HostStatus] = {}
@@ -153,20 +169,15 @@ class Supervisor:
             self._thread.start()
         return True
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SupervisorStatus:
         """Learners (state, incarnation, restarts), faults, the synchronizer, goodput so far."""
         with self._lock:
-            snap = dict(self._snapshot)
+            snap = self._snapshot
         end = self._end_t if self._end_t is not None else self._now()
         live = self._end_t is None
         window = uptime_window_s(self.cfg.diloco.sync_every, self.sync.status)
-        return {
-            **snap,
-            **tape_summary(self.tape.events, end, window, self.regions, live),
-            "t": end,
-            "done": self._done.is_set(),
-            "final": self._final,
-        }
+        tape = tape_summary(self.tape.events, end, window, self.regions, live)
+        return dataclasses.replace(snap, t=end, done=self._done.is_set(), final=self._final, **tape)
 
     def add_learner(self, spec: dict[str, Any], reason: str = "requested") -> str:
         """Queue a new learner (a `learners:` entry as a dict) to join the running job; it
@@ -314,30 +325,29 @@ class Supervisor:
                 self.slots[c.learner].launch(c.incarnation)
 
     def _update_snapshot(self) -> None:
-        learners = self.control.snapshot()
-        for name, row in learners.items():
+        learners = {}
+        for name, row in self.control.snapshot().items():
             info = self.slots[name].info.get(0)
-            row.update(
+            learners[name] = dataclasses.replace(
+                row,
                 step=info.step if info is not None else None,
                 degraded=self.degradation.degraded(name),
                 region=self.regions[name],
             )
         sync = self.sync.status
-        snap = {
-            "learners": learners,
-            # nobody left to train (every learner gave up or left) and nobody about to join
-            "all_gave_up": not self.control.in_run() and not self.membership.joining,
-            "synchronizer": {
-                "up": self.sync.up,
-                "restores": self.sync.restores,
-                "rounds": sync.rounds if sync is not None else 0,
-                "tokens": sync.tokens if sync is not None else 0,
-            },
-            "chaos": {
-                "injected": self.chaos.injected if self.chaos else 0,
-                "skipped": self.chaos.skipped if self.chaos else 0,
-            },
-        }
+        snap = dataclasses.replace(
+            self._snapshot,
+            learners=learners,
+            all_gave_up=not self.control.in_run() and not self.membership.joining,
+            synchronizer=SynchronizerView(
+                up=self.sync.up,
+                restores=self.sync.restores,
+                rounds=sync.rounds if sync is not None else 0,
+                tokens=sync.tokens if sync is not None else 0,
+            ),
+            chaos_injected=self.chaos.injected if self.chaos else 0,
+            chaos_skipped=self.chaos.skipped if self.chaos else 0,
+        )
         with self._lock:
             self._snapshot = snap
 

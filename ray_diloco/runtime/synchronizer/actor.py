@@ -2,16 +2,18 @@
 
 A run's synchronizer may be split into shards (`synchronizer.num_shards`,
 runtime/synchronizer/shards.py): each is one of these actors, owning some fragments; shard 0 also
-hands out the data and runs the held-out evaluation, reading the other shards' fragments. It wraps
-one `SynchronizerCore` (the algorithm: rounds, quorum, grace, merge, fencing, ledger) and carries
-its decisions out with real time and real transport, mirroring `simulate._run_diloco`: offers go to
-`core.offer`, a background thread closes due rounds (`close_due` under the lock, `merge` outside it,
-`commit` under it) and publishes each merged fragment once with `ray.put` to its recipients
-(`diloco.publish_to`: the learners the round merged, or every registered learner), each send delayed
-by the learner's emulated downstream link (`runtime/synchronizer/publish.py`).
-`runtime/synchronizer/launch.py` starts the shards; `runtime/synchronizer/evaluation.py` is shard
-0's held-out evaluation. Progress reports and registration run in the `control` concurrency group
-and never queue behind offers (`data` group) or merges (background thread).
+hands out the data and runs the held-out evaluation, reading the other shards' fragments. The
+actor is a thin Ray shell around one `SynchronizerCore` (the algorithm: rounds, quorum, grace,
+merge, fencing, ledger) and the collaborators it builds and wires, mirroring
+`simulate._run_diloco` with real time and real transport: offers go to `core.offer`; a
+`RoundThread` (`runtime/synchronizer/rounds.py`) closes due rounds (`close_due` under the lock,
+`merge` outside it, `commit` under it); a `Publisher` (`runtime/synchronizer/publish.py`) sends
+each merged fragment once with `ray.put` to its recipients (`diloco.publish_to`), each send
+delayed by the learner's emulated downstream link, and counts a round once a learner holds it;
+an `Evaluator` (`runtime/synchronizer/evaluation.py`) is shard 0's held-out evaluation; a
+`CheckpointWriter` and `ShardStore` keep and restore its state. `runtime/synchronizer/launch.py`
+starts the shards. Progress reports and registration run in the `control` concurrency group and
+never queue behind offers (`data` group) or merges (the round thread).
 
 Object ownership: learners push offers by value (fragments are small; Ray inlines arguments
 under 100 KiB, and a larger one lives only until this method returns). `core.offer` decodes the
@@ -43,10 +45,7 @@ import ray
 
 from ray_diloco.algorithm.wire import offered_bytes
 from ray_diloco.config import RunConfig, config_digest
-from ray_diloco.control.delay import DelayedCalls
-from ray_diloco.control.events import ContributionRejected, RoundClosed
 from ray_diloco.control.journal import Journal
-from ray_diloco.control.merge_health import MergeHealth
 from ray_diloco.control.protocol import (
     Registered,
     Registration,
@@ -58,11 +57,10 @@ from ray_diloco.runtime.learner.compile_cache import use_compilation_cache
 from ray_diloco.runtime.metrics import Metrics
 from ray_diloco.runtime.resources import LOCAL_REGION
 from ray_diloco.runtime.synchronizer.checkpoint import CheckpointWriter
-from ray_diloco.runtime.synchronizer.deliveries import Deliveries
-from ray_diloco.runtime.synchronizer.evaluation import EvaluationDuty
-from ray_diloco.runtime.synchronizer.publish import PublishDuty
+from ray_diloco.runtime.synchronizer.evaluation import Evaluator
+from ray_diloco.runtime.synchronizer.publish import Publisher
 from ray_diloco.runtime.synchronizer.restore import ShardStore
-from ray_diloco.runtime.synchronizer.rounds import RoundDuty
+from ray_diloco.runtime.synchronizer.rounds import RoundThread, record_rejection
 
 if TYPE_CHECKING:
     from ray_diloco.algorithm.round_types import ContributionMeta
@@ -72,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 
 @ray.remote(concurrency_groups={"control": 2, "data": 1})  # type: ignore[call-overload]
-class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
+class Synchronizer:
     def __init__(self, cfg: RunConfig, shard: int = 0, log_level: str = "WARNING") -> None:
         setup_logging(log_level)
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
@@ -85,9 +83,8 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         use_compilation_cache(cfg)  # Ray reconstructs it after a crash: load, don't compile
 
         self.cfg, self.shard = cfg, shard
-        self._wan = links.LinkEmulator(cfg.links)  # downstream pipes, used by the round thread
         self._lock = threading.Lock()
-        self._wake, self._stop = threading.Event(), threading.Event()
+        self._wake, self.finished = threading.Event(), threading.Event()
         self.setup = Setup.build(cfg)
         owned = assign_fragments(self.setup.plan.sizes, cfg.synchronizer.num_shards)[shard]
         self.core = sync_core.SynchronizerCore(
@@ -96,10 +93,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         self.setup.init = {}  # the core copied its fragments; the rest would only take memory
         self.journal = Journal()
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
-        self.hosts: dict[str, list[Any]] = {}
-        self.regions = {lg.name: lg.region for lg in cfg.learners}
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
-        self.finished_at: float | None = None
         self.store = (
             ShardStore(cfg, shard, self.core, self._now()) if cfg.checkpoint.enabled else None
         )
@@ -109,21 +103,39 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             if self.store is not None
             else None
         )
-        # The newest version of each fragment a learner received: what `rounds` counts.
-        self.delivered = self.core.book.versions()
-        self._closing: dict[tuple[int, int], RoundClosed] = {}  # committed, not yet delivered
-        # Per learner: the incarnation and versions it registered with, and the incarnation
-        # and step of its last merged contribution (the supervisor detects rejoins from them).
+        # Per learner: the incarnation and versions it registered with.
         self.registered: dict[str, Registered] = {}
-        self.merged_by: dict[str, tuple[int, int]] = {}
-        self.merge_health = MergeHealth()
-        self._init_evaluation()
-        self._links = DelayedCalls("publish-links")
-        self.deliveries = Deliveries(self._delivered)
+        regions = {lg.name: lg.region for lg in cfg.learners}
+        wan = links.LinkEmulator(cfg.links)  # downstream pipes
+        self.publisher = Publisher(
+            self.core, self._lock, self.journal, self.metrics, wan, self.store, regions
+        )
+        self.evaluator = Evaluator(
+            cfg,
+            self.core,
+            self.setup,
+            self._lock,
+            self.journal,
+            self.metrics,
+            self.publisher.rounds,
+        )
+        self.rounds = RoundThread(
+            cfg,
+            shard,
+            self.core,
+            self._lock,
+            self._wake,
+            self.finished,
+            self.publisher,
+            self.evaluator,
+            self.checkpoints,
+            self.store,
+            self.journal,
+            self.metrics,
+        )
         if self.store is not None:
             self.store.serving()  # (__init__ returns next: Ray delivers calls from then on)
-        self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
-        self._thread.start()
+        self.rounds.start()
 
     def __repr__(self) -> str:  # how the Ray dashboard and log prefixes name the actor
         shard = f", shard={self.shard}" if self.cfg.synchronizer.num_shards > 1 else ""
@@ -162,8 +174,8 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
                 versions = held[3] if held is not None and len(held) > 3 else {}
                 self.store.registered(learner, versions)
             self.registered[learner] = Registered(incarnation, dict(a.versions))
-            self.hosts[learner] = list(host_handles)
-            self.regions[learner] = region
+            self.publisher.hosts[learner] = list(host_handles)
+            self.publisher.regions[learner] = region
             snapshot = self.core.snapshot()
             wanted = self.core.wanted()
             plan = self.setup.plan
@@ -171,7 +183,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             "registered learner %s incarnation %d at cursor %d", learner, incarnation, a.cursor
         )
         data = (a.cursor, a.offset, [lease.as_tuple() for lease in a.leases])
-        return Registration(snapshot, wanted, data, plan, finished=self.finished_at is not None)
+        return Registration(snapshot, wanted, data, plan, finished=self.finished.is_set())
 
     @ray.method(concurrency_group="control")
     def leave(self, learner: str) -> int:
@@ -180,7 +192,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         with self._lock:
             back = self.core.leave(learner, self._now())
             self._mark_leases()
-            self.hosts.pop(learner, None)
+            self.publisher.hosts.pop(learner, None)
         self._wake.set()  # rounds that only waited for it may close now
         tokens = sum(lease.size for lease in back)
         logger.info("learner %s left; %d unread tokens back to the pool", learner, tokens)
@@ -218,20 +230,21 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
             if leases:
                 self._mark_leases()
             tokens = self.core.ledger.tokens_trained
-            if self.finished_at is None and tokens >= self.cfg.token_budget:
+            if not self.finished.is_set() and tokens >= self.cfg.token_budget:
                 # The run ends here, as the reference run's loop does: no round closes after.
-                self.finished_at = time.time()
+                self.finished.set()
                 logger.info("token budget reached (%d tokens)", tokens)
             granted = [lease.as_tuple() for lease in leases or []]
-            return ReportReply(ok, stop=self.finished_at is not None, leases=granted)
+            return ReportReply(ok, stop=self.finished.is_set(), leases=granted)
 
     @ray.method(concurrency_group="control")
     def status(self, since_event: int = 0) -> SynchronizerStatus:
         with self._lock:
             core, now = self.core, self._now()
-            rounds = self.rounds()
+            rounds = self.publisher.rounds()
             merged = {n: a.contributions for n, a in core.ledger.accounts.items()}
             events, seq = self.journal.events_since(since_event)
+            merged_by = self.rounds.merged_by
             return SynchronizerStatus(
                 run=self.cfg.name,
                 shard=self.shard,
@@ -257,12 +270,12 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
                 recovering=sorted(core.recovering),
                 checkpoint_writing=self.checkpoints is not None and self.checkpoints.writing,
                 learners=self.journal.learner_table(),
-                finished=self.finished_at is not None,
-                merge_error=self.merge_health.error,
+                finished=self.finished.is_set(),
+                merge_error=self.rounds.merge_health.error,
                 restored=None if self.restored is None else dict(self.restored),
                 registered=dict(self.registered),
-                merged_incarnations={n: inc for n, (inc, _) in self.merged_by.items()},
-                merged_steps={n: step for n, (_, step) in self.merged_by.items()},
+                merged_incarnations={n: inc for n, (inc, _) in merged_by.items()},
+                merged_steps={n: step for n, (_, step) in merged_by.items()},
                 events=events,
                 event_seq=seq,
             )
@@ -271,7 +284,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
     def impair_link(self, region: str, duration_s: float, factor: float | None) -> None:
         """Chaos: cut (factor None) or slow down the region's emulated downstream link."""
         now = time.monotonic()
-        self._wan.impair(region, now, now + duration_s, factor)
+        self.publisher.wan.impair(region, now, now + duration_s, factor)
         logger.warning(
             "link of region %s impaired for %.1fs (factor %s)", region, duration_s, factor
         )
@@ -279,11 +292,8 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
     @ray.method(concurrency_group="control")
     def shutdown(self) -> str | None:
         """Stop the round thread and the links, write a last checkpoint; returns its path."""
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=30)
-        self._links.close()
-        self.deliveries.close()
+        self.rounds.stop()
+        self.publisher.close()
         return self._checkpoint_now()
 
     # -- data group: contributions, evaluation, checkpoints -----------------------------------
@@ -292,38 +302,30 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
     def offer(self, meta: ContributionMeta, delta: dict[str, Encoded]) -> str:
         """Take a contribution (pushed by value, decoded here); returns the Verdict value."""
         with self._lock:
-            if self.finished_at is not None:
+            if self.finished.is_set():
                 return "run_finished"
             verdict = self.core.offer(meta, delta, self._now())
             newest = self.core.catch_up(meta, verdict)
             behind: dict[str, list[Any]] = {}
             if newest is not None:  # refused for being behind: it adopts the newest version
-                behind = {n: h for n, h in self._targets().items() if n == meta.learner}
+                behind = {n: h for n, h in self.publisher.targets().items() if n == meta.learner}
                 for learner in behind:
                     self.core.sent(learner, newest.nbytes)
         if newest is not None:
-            self._publish([newest], behind)
+            self.publisher.publish([newest], behind)
         self._wake.set()
-        region = self.regions.get(meta.learner, LOCAL_REGION)
+        region = self.publisher.regions.get(meta.learner, LOCAL_REGION)
         self.metrics.link_bytes(meta.learner, region, "up", offered_bytes(delta))
         if verdict.value != "accepted":
             with self._lock:
-                self._record_rejection(meta, verdict.value)
+                record_rejection(self.journal, self.metrics, meta, verdict.value)
         return verdict.value
-
-    def _record_rejection(self, meta: ContributionMeta, reason: str) -> None:
-        """A refused contribution, on the event tape and in the metrics (under the lock)."""
-        self.metrics.contribution_rejected(meta.learner, reason)
-        self.journal.record(
-            ContributionRejected(time.time(), meta.learner, meta.incarnation, meta.fragment, reason)
-        )
-        logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, reason)
 
     @ray.method(concurrency_group="data")
     def evaluate(self) -> float:
         """Held-out loss of the global parameters now (recorded in the history); shard 0
         only (it reads the other shards' fragments)."""
-        loss = self._evaluate()
+        loss = self.evaluator.evaluate()
         if loss is None:
             raise RuntimeError("synchronizer: another shard did not hand over its fragments")
         return loss
@@ -332,7 +334,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
     def fragment_values(self) -> tuple[dict[str, Any], int]:
         """This shard's global values and its closed rounds, for shard 0's evaluation."""
         with self._lock:
-            return self.core.global_params(), self.rounds()
+            return self.core.global_params(), self.publisher.rounds()
 
     @ray.method(concurrency_group="data")
     def provide(
@@ -346,7 +348,7 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         with self._lock:
             taken = fragment in self.core.recovering and version > self.core.wanted()[fragment]
             if self.core.provide(fragment, version, values):
-                self._finish_recovery(fragment)
+                self.rounds.finish_recovery(fragment)
         logger.info(
             "learner %s incarnation %d handed over fragment %d version %d (%s)",
             learner,
@@ -371,12 +373,6 @@ class Synchronizer(EvaluationDuty, PublishDuty, RoundDuty):
         """Start writing a checkpoint in the background (chaos: a kill timed to land while
         one is being written). False when one is being written already."""
         return self.checkpoints.in_background() if self.checkpoints is not None else False
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    def rounds(self) -> int:
-        """Rounds that reached a learner (the sum of the newest delivered versions)."""
-        return sum(self.delivered.values())
 
     def _now(self) -> float:
         return time.monotonic()

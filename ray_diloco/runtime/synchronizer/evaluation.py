@@ -10,15 +10,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_diloco.config import RunConfig
 from ray_diloco.control.events import HeldoutEvaluated
+from ray_diloco.control.journal import Journal
+from ray_diloco.runtime.metrics import Metrics
 from ray_diloco.runtime.synchronizer.shards import shard_name
 
 if TYPE_CHECKING:  # JAX-using: imported inside the actor, never at module level
+    from ray_diloco.algorithm.setup import Setup
     from ray_diloco.algorithm.sync_core import SynchronizerCore
 
 logger = logging.getLogger(__name__)
@@ -26,35 +30,37 @@ logger = logging.getLogger(__name__)
 GATHER_TIMEOUT_S = 60.0  # the other shards' fragments for an evaluation (a dead one: skipped)
 
 
-class EvaluationDuty:
-    # What the synchronizer provides (synchronizer.py).
-    cfg: RunConfig
-    core: SynchronizerCore
-    setup: Any
-    journal: Any
-    metrics: Any
-    _lock: threading.Lock
-
-    rounds: Any  # () -> rounds delivered
-
-    def _init_evaluation(self) -> None:
+class Evaluator:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        core: SynchronizerCore,
+        setup: Setup,
+        lock: threading.Lock,
+        journal: Journal,
+        metrics: Metrics,
+        rounds: Callable[[], int],
+    ) -> None:
+        """`rounds()`: this shard's delivered rounds (read under `lock`)."""
+        self.cfg, self.core, self.setup, self._lock = cfg, core, setup, lock
+        self.journal, self.metrics, self._rounds = journal, metrics, rounds
         self._eval_lock = threading.Lock()
         self._eval_thread: threading.Thread | None = None
         self._others: list[Any] | None = None  # the other shards (shard 0 evaluates)
 
-    def _evaluate_in_background(self) -> None:
+    def in_background(self) -> None:
         """A periodic evaluation on its own thread: gathering the other shards' fragments
         (or one that is down) must not hold this shard's rounds up."""
         if self._eval_thread is not None and self._eval_thread.is_alive():
             return
-        self._eval_thread = threading.Thread(target=self._evaluate, name="evaluate", daemon=True)
+        self._eval_thread = threading.Thread(target=self.evaluate, name="evaluate", daemon=True)
         self._eval_thread.start()
 
-    def _evaluate(self) -> float | None:
+    def evaluate(self) -> float | None:
         """Evaluate and record the global parameters (None: a shard did not answer)."""
         with self._eval_lock:
             with self._lock:
-                tokens, rounds = self.core.ledger.tokens_trained, self.rounds()
+                tokens, rounds = self.core.ledger.tokens_trained, self._rounds()
             params = self.core.global_params()
             try:
                 for values, shard_rounds in self._gather():

@@ -4,7 +4,8 @@ Each publication is put in the object store once (`ray.put`, owned by the synchr
 learner's death never takes a global fragment with it) and sent to every recipient's hosts, each
 send delayed by the learner region's emulated downstream link (serial, as in the reference run). A
 round's publication is tracked (`runtime/synchronizer/deliveries.py`): the round counts, and the
-version mark records it, once a learner holds it.
+version mark records it, once a learner holds it. `Publisher` owns who can be sent to (the
+registered learners' hosts and regions) and what was delivered.
 """
 
 from __future__ import annotations
@@ -12,34 +13,66 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import ray
 
+from ray_diloco.control.delay import DelayedCalls
+from ray_diloco.control.journal import Journal
+from ray_diloco.runtime.metrics import Metrics
 from ray_diloco.runtime.resources import LOCAL_REGION
+from ray_diloco.runtime.synchronizer.deliveries import Deliveries
 
 if TYPE_CHECKING:  # JAX-using: imported inside the actor, never at module level
     from ray_diloco.algorithm.downstream import Message
+    from ray_diloco.algorithm.links import LinkEmulator
     from ray_diloco.algorithm.sync_core import Publication, SynchronizerCore
     from ray_diloco.control.events import RoundClosed
     from ray_diloco.runtime.synchronizer.restore import ShardStore
 
 
-class PublishDuty:
-    # What the synchronizer provides (synchronizer.py).
-    core: SynchronizerCore
-    hosts: dict[str, list[Any]]
-    regions: dict[str, str]
-    delivered: dict[int, int]
-    journal: Any
-    metrics: Any
-    store: ShardStore | None
-    deliveries: Any
-    _closing: dict[tuple[int, int], RoundClosed]
-    _lock: threading.Lock
-    _wan: Any
-    _links: Any
+@dataclass(frozen=True)
+class StagedRound:
+    pub: Publication
+    groups: list[tuple[list[str], list[Message]]]  # recipients -> the messages they get
+    active: dict[str, list[Any]]  # learner -> host actors
+    live: int  # learners heard from recently, for the metrics
+
+
+class Publisher:
+    def __init__(
+        self,
+        core: SynchronizerCore,
+        lock: threading.Lock,
+        journal: Journal,
+        metrics: Metrics,
+        wan: LinkEmulator,
+        store: ShardStore | None,
+        regions: dict[str, str],
+    ) -> None:
+        self.core, self._lock, self.journal, self.metrics = core, lock, journal, metrics
+        self.wan, self.store = wan, store
+        self.hosts: dict[str, list[Any]] = {}  # registered learner -> its host actors
+        self.regions = regions  # learner -> its region (its emulated links)
+        # The newest version of each fragment a learner received: what `rounds` counts.
+        self.delivered = core.book.versions()
+        self._closing: dict[tuple[int, int], RoundClosed] = {}  # committed, not yet delivered
+        self._links = DelayedCalls("publish-links")
+        self.deliveries = Deliveries(self._delivered)
+
+    def rounds(self) -> int:
+        """Rounds that reached a learner (the sum of the newest delivered versions)."""
+        return sum(self.delivered.values())
+
+    def adopt(self, fragment: int, version: int) -> None:
+        """A restarted shard ended the recovery of `fragment` at `version` (learners hold it)."""
+        self.delivered[fragment] = version
+
+    def close(self) -> None:
+        self._links.close()
+        self.deliveries.close()
 
     def _delivered(self, fragment: int, version: int) -> None:
         """A learner holds `version` of `fragment` (the deliveries thread): the round
@@ -53,13 +86,30 @@ class PublishDuty:
             if self.store is not None:
                 self.store.mark.update({fragment: version})
 
-    def _targets(self) -> dict[str, list[Any]]:
+    def targets(self) -> dict[str, list[Any]]:
         """Hosts of every registered learner that is not fenced or retired. Like the
         reference run, a learner momentarily silent (compiling, blocked) still gets it."""
         members = self.core.book.members
         return {n: h for n, h in self.hosts.items() if n in members and members[n].active}
 
-    def _publish(
+    def stage(self, pub: Publication, closed: RoundClosed, now: float) -> StagedRound:
+        """Under the lock: who gets a committed round's publication, and which messages; the
+        round counts once a learner holds it (`closed` goes on the journal then)."""
+        self._closing[(pub.fragment, pub.version)] = closed
+        active = self.targets()
+        groups = self.core.messages(pub, self.core.recipients(pub, active))
+        return StagedRound(pub, groups, active, len(self.core.book.live(now)))
+
+    def send(self, staged: StagedRound) -> None:
+        """Outside the lock: send a staged round's messages and count the round's metrics."""
+        pub, active = staged.pub, staged.active
+        sends = sum(len(active[n]) for names, _ in staged.groups for n in names)
+        self.deliveries.expect(pub.fragment, pub.version, sends)
+        for names, msgs in staged.groups:
+            self.publish(msgs, {n: active[n] for n in names}, track=True)
+        self._round_metrics(pub, staged.live)
+
+    def publish(
         self, msgs: list[Message], targets: dict[str, list[Any]], track: bool = False
     ) -> None:
         """Send `msgs` (one version, or the differences up to it) to `targets`, in order;
@@ -71,7 +121,7 @@ class PublishDuty:
             # Each copy occupies the region's serial downstream pipe, as in the reference run.
             region = self.regions.get(learner, LOCAL_REGION)
             for i, (msg, ref) in enumerate(zip(msgs, refs, strict=True)):
-                delay = self._wan.arrival(region, "down", msg.nbytes, now) - now
+                delay = self.wan.arrival(region, "down", msg.nbytes, now) - now
                 last = track and i == len(msgs) - 1
                 for host in handles:
                     send = functools.partial(self._send, host, msg, ref, last)

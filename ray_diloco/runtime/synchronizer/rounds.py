@@ -13,16 +13,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.config import RunConfig
-from ray_diloco.control.events import RoundClosed
+from ray_diloco.control.events import ContributionRejected, RoundClosed
+from ray_diloco.control.journal import Journal
 from ray_diloco.control.merge_health import MergeHealth
+from ray_diloco.runtime.metrics import Metrics
+from ray_diloco.runtime.synchronizer.evaluation import Evaluator
+from ray_diloco.runtime.synchronizer.publish import Publisher, StagedRound
 
 if TYPE_CHECKING:  # JAX-using: imported inside the actor, never at module level
-    from ray_diloco.algorithm.round_types import RoundClose
-    from ray_diloco.algorithm.sync_core import SynchronizerCore
+    from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose
+    from ray_diloco.algorithm.sync_core import Publication, SynchronizerCore
     from ray_diloco.runtime.synchronizer.checkpoint import CheckpointWriter
     from ray_diloco.runtime.synchronizer.restore import ShardStore
 
@@ -31,40 +35,60 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1  # longest sleep of the round thread: heartbeats can close rounds too
 
 
-class RoundDuty:
-    # What the synchronizer provides (synchronizer.py, runtime/synchronizer/publish.py,
-    # runtime/synchronizer/evaluation.py).
-    cfg: RunConfig
-    shard: int
-    core: SynchronizerCore
-    store: ShardStore | None
-    checkpoints: CheckpointWriter | None
-    restored: dict[str, Any] | None
-    finished_at: float | None
-    delivered: dict[int, int]
-    merged_by: dict[str, tuple[int, int]]
-    merge_health: MergeHealth
-    metrics: Any
-    deliveries: Any
-    _closing: dict[tuple[int, int], RoundClosed]
-    _lock: threading.Lock
-    _wake: threading.Event
-    _stop: threading.Event
-    rounds: Any  # () -> rounds delivered
-    _now: Any  # () -> the round book's clock
-    _evaluate: Any
-    _evaluate_in_background: Any
-    _targets: Any
-    _publish: Any
-    _round_metrics: Any
-    _record_rejection: Any  # (meta, reason) -> None, under the lock
+def record_rejection(
+    journal: Journal, metrics: Metrics, meta: ContributionMeta, reason: str
+) -> None:
+    """A refused contribution, on the event tape and in the metrics (under the lock)."""
+    metrics.contribution_rejected(meta.learner, reason)
+    journal.record(
+        ContributionRejected(time.time(), meta.learner, meta.incarnation, meta.fragment, reason)
+    )
+    logger.info("rejected fragment %d from %s: %s", meta.fragment, meta.learner, reason)
+
+
+class RoundThread:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        shard: int,
+        core: SynchronizerCore,
+        lock: threading.Lock,
+        wake: threading.Event,
+        finished: threading.Event,
+        publisher: Publisher,
+        evaluator: Evaluator,
+        checkpoints: CheckpointWriter | None,
+        store: ShardStore | None,
+        journal: Journal,
+        metrics: Metrics,
+    ) -> None:
+        """`wake`: set by anyone who may have made a round due (an offer, a report, a
+        checkpoint written); `finished`: the token budget is spent (no round closes after)."""
+        self.cfg, self.shard, self.core, self._lock = cfg, shard, core, lock
+        self._wake, self._finished, self._stop = wake, finished, threading.Event()
+        self.publisher, self.evaluator, self.checkpoints = publisher, evaluator, checkpoints
+        self.store, self.journal, self.metrics = store, journal, metrics
+        self.merge_health = MergeHealth()
+        # Per learner: the incarnation and step of its last merged contribution (the
+        # supervisor detects rejoins from them).
+        self.merged_by: dict[str, tuple[int, int]] = {}
+        self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        restarted = self.restored is not None and self.restored.get("restart")
+        restored = self.store.restored if self.store is not None else None
+        restarted = restored is not None and bool(restored.get("restart"))
         if self.shard == 0 and not restarted:
             # The starting point of the loss curve (compiles the eval function). Not after a
             # restart: it would hold the recovery up and score values about to be replaced.
-            self._evaluate()
+            self.evaluator.evaluate()
         last_eval, last_eval_rounds = time.monotonic(), 0
         while not self._stop.is_set():
             self._wake.wait(timeout=self._idle_s())
@@ -73,12 +97,12 @@ class RoundDuty:
                 self._recover()
                 if self.merge_health.retry_due(time.monotonic()):
                     self._close_rounds()
-                rounds = self.rounds()
+                rounds = self.publisher.rounds()
                 if self.checkpoints is not None:
                     self.checkpoints.when_due()
                 due = time.monotonic() - last_eval >= self.cfg.metrics.eval_every_s
                 if self.shard == 0 and due and rounds != last_eval_rounds:  # not when idle
-                    self._evaluate_in_background()
+                    self.evaluator.in_background()
                     last_eval, last_eval_rounds = time.monotonic(), rounds
             except Exception:  # the thread must survive anything a round throws
                 logger.exception("synchronizer round thread")
@@ -89,7 +113,7 @@ class RoundDuty:
         deadline = self.core.book.next_deadline()
         if deadline is None:
             return IDLE_POLL_S
-        return min(IDLE_POLL_S, max(0.0, deadline - self._now()))
+        return min(IDLE_POLL_S, max(0.0, deadline - time.monotonic()))
 
     def _recover(self) -> None:
         """End the recoveries that can end (a restarted shard's fragments)."""
@@ -97,26 +121,25 @@ class RoundDuty:
             return
         with self._lock:
             for p in self.store.due():
-                self._finish_recovery(p)
+                self.finish_recovery(p)
 
-    def _finish_recovery(self, fragment: int) -> None:
+    def finish_recovery(self, fragment: int) -> None:
         """Adopt the fragment's newest value found (under the lock)."""
-        assert self.store is not None
+        assert self.store is not None and self.store.restored is not None
         self.store.finish(fragment)
-        adopted = self.store.restored["adopted"][fragment]  # type: ignore[index]
-        self.delivered[fragment] = adopted
+        self.publisher.adopt(fragment, self.store.restored["adopted"][fragment])
         # Every number the fragment may carry anywhere (the new one included) is in the mark.
         self.store.mark.update({fragment: self.core.book.versions()[fragment]})
 
     def _close_rounds(self) -> None:
         with self._lock:
-            if self.finished_at is not None:
+            if self._finished.is_set():
                 return
             room = self.checkpoints.room() if self.checkpoints is not None else None
             if self.checkpoints is not None and room is not None and room <= 0:
                 self.checkpoints.in_background()  # rounds wait for it (it wakes this thread)
                 return
-            closes = self.core.close_due(self._now(), room)
+            closes = self.core.close_due(time.monotonic(), room)
         for close in closes:
             try:
                 started = time.perf_counter()
@@ -126,39 +149,33 @@ class RoundDuty:
                 if not self.merge_health.in_a_row:  # the first of a streak: its traceback
                     logger.exception("merge of fragment %d failed; round put back", close.fragment)
                 with self._lock:
-                    self.core.book.abort(close, self._now())
+                    self.core.book.abort(close, time.monotonic())
                     self.merge_health.failed(close.fragment, err, time.monotonic())
                 continue
             with self._lock:
-                self.merge_health.succeeded()
-                for meta in self.core.commit(pub, self._now()):  # dropped as late
-                    self._record_rejection(meta, "late")
-                for c in close.contributions:
-                    self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
-                if self.store is not None:  # before the version leaves this process
-                    cursors = {
-                        n: self.core.ledger.account(n).cursor for n in self._contributors(close)
-                    }
-                    self.store.log.append(LoggedRound.of(close, cursors))
-                active = self._targets()
-                groups = self.core.messages(pub, self.core.recipients(pub, active))
-                live = len(self.core.book.live(self._now()))
-                self._closing[(pub.fragment, pub.version)] = RoundClosed(
-                    time.time(),
-                    pub.fragment,
-                    pub.version,
-                    len(close.contributions),
-                    close.num_tokens,
-                    close.grace_s,
-                    close.closed_s - close.quorum_s,
-                    self.shard,
-                )
-            sends = sum(len(active[n]) for names, _ in groups for n in names)
-            self.deliveries.expect(pub.fragment, pub.version, sends)
-            for names, msgs in groups:
-                self._publish(msgs, {n: active[n] for n in names}, track=True)
-            self._round_metrics(pub, live)
+                staged = self._commit(close, pub)
+            self.publisher.send(staged)
 
-    @staticmethod
-    def _contributors(close: RoundClose) -> list[str]:
-        return [c.meta.learner for c in close.contributions]
+    def _commit(self, close: RoundClose, pub: Publication) -> StagedRound:
+        """Commit a merged round, log it, and stage its publication (under the lock)."""
+        now = time.monotonic()
+        self.merge_health.succeeded()
+        for meta in self.core.commit(pub, now):  # dropped as late
+            record_rejection(self.journal, self.metrics, meta, "late")
+        for c in close.contributions:
+            self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
+        if self.store is not None:  # before the version leaves this process
+            contributors = [c.meta.learner for c in close.contributions]
+            cursors = {n: self.core.ledger.account(n).cursor for n in contributors}
+            self.store.log.append(LoggedRound.of(close, cursors))
+        closed = RoundClosed(
+            time.time(),
+            pub.fragment,
+            pub.version,
+            len(close.contributions),
+            close.num_tokens,
+            close.grace_s,
+            close.closed_s - close.quorum_s,
+            self.shard,
+        )
+        return self.publisher.stage(pub, closed, now)
