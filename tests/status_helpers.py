@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_diloco.control.protocol import SupervisorStatus, SynchronizerStatus, SynchronizerView
+from ray_diloco.control.protocol import SynchronizerStatus
 
 
 def sync_status(**fields: Any) -> SynchronizerStatus:
@@ -43,23 +43,3 @@ def sync_status(**fields: Any) -> SynchronizerStatus:
         event_seq=0,
     )
     return SynchronizerStatus(**(defaults | fields))
-
-
-def supervisor_status(**fields: Any) -> SupervisorStatus:
-    defaults: dict[str, Any] = dict(
-        t=0.0,
-        done=False,
-        all_gave_up=False,
-        learners={},
-        synchronizer=SynchronizerView(),
-        chaos_injected=0,
-        chaos_skipped=0,
-        goodput=0.0,
-        uptime=None,
-        uptime_window_s=0.0,
-        learner_seconds={},
-        num_failures=0,
-        recovery={},
-        faults=[],
-    )
-    return SupervisorStatus(**(defaults | fields))

@@ -11,8 +11,7 @@ from ray_diloco.control.degradation import DegradationMonitor
 from ray_diloco.control.events import Event, LearnerState, StopReason
 from ray_diloco.control.protocol import HostPing, SynchronizerStatus
 from ray_diloco.control.supervision import Command, Supervision
-from ray_diloco.runtime.supervisor.health import Health
-from ray_diloco.runtime.supervisor.membership import Membership
+from ray_diloco.runtime.supervisor.health import wire
 from ray_diloco.runtime.supervisor.phase import RunPhase
 
 
@@ -71,27 +70,19 @@ class Supervised:
         self.events: list[Event] = []
         self.commands: list[Command] = []
         self.degradation = DegradationMonitor(names, window_s=1.0)
-        self.membership = Membership(
+        self.membership, self.health = wire(
             self.cfg,
             self.control,
             self.slots,
             {n: "local" for n in names},
-            self.degradation,
-            self.phase,
-            lambda lg, index: FakeSlot(),
-            self.leaves,  # type: ignore[arg-type]
-            self.events.append,
-            draining=lambda: self.draining,
-        )
-        self.health = Health(
-            self.control,
-            self.slots,
             self.sync,
             self.degradation,
             self.phase,
-            self.membership,
-            self.events.extend,
+            lambda lg, index: FakeSlot(),
+            self.leaves,
+            self.events.append,
             lambda commands, now: self.commands.extend(commands),
+            draining=lambda: self.draining,
             lost=lambda nodes: set(),
         )
 

@@ -183,9 +183,8 @@ class SynchronizerConfig(_Frozen):
     max_offers_in_flight: int = Field(
         4,
         ge=1,
-        description="offers a learner has sent to one shard and not seen answered; beyond it a "
-        "newer offer of a fragment replaces the unsent one (its work is merged with it) and "
-        "others wait, so a slow synchronizer never makes a learner wait or hold more",
+        description="unanswered offers per learner and shard; past it a newer offer of a "
+        "fragment replaces the unsent one and carries its work",
     )
 
 

@@ -144,9 +144,8 @@ class BandwidthSimConfig(_Frozen):
     wire_up: WireDtype = Field("int4", description="outer gradients, learner to synchronizer")
     wire_down: WireDtype | None = Field(
         "int4",
-        description="published fragments: int4 as the run config's default `diloco."
-        "publish_delta`; None: full values, as with `publish_delta: none` (wire.publish_dtype: "
-        "bfloat16 unless wire_up is float32)",
+        description="published fragments: int4 differences as `diloco.publish_delta`, or None "
+        "for full values",
     )
     int4_block_size: int = Field(64, ge=2)
     latency_ms: float = Field(

@@ -170,20 +170,21 @@ class SynchronizerView:
 @dataclass(frozen=True)
 class SupervisorStatus:
     """The supervisor's status: its learners, the synchronizer, chaos, and what the event tape
-    says so far (goodput and uptime, seconds per learner state, failures, fault outcomes)."""
+    says so far (goodput and uptime, seconds per learner state, failures, fault outcomes). The
+    defaults are its status before the first tick."""
 
-    t: float  # run time of this status (the end, once the run is over)
-    done: bool  # the run is over and every learner stopped
-    all_gave_up: bool  # nobody left to train and nobody about to join
-    learners: dict[str, LearnerRow]
-    synchronizer: SynchronizerView
-    chaos_injected: int
-    chaos_skipped: int
-    goodput: float
-    uptime: float | None
-    uptime_window_s: float
-    learner_seconds: dict[str, dict[str, float]]
-    num_failures: int
-    recovery: dict[str, dict[str, Any]]  # fault kind -> recovery figures
-    faults: list[dict[str, Any]]  # each injected fault's outcome
+    t: float = 0.0  # run time of this status (the end, once the run is over)
+    done: bool = False  # the run is over and every learner stopped
+    all_gave_up: bool = False  # nobody left to train and nobody about to join
+    learners: dict[str, LearnerRow] = field(default_factory=dict)
+    synchronizer: SynchronizerView = field(default_factory=SynchronizerView)
+    chaos_injected: int = 0
+    chaos_skipped: int = 0
+    goodput: float = 0.0
+    uptime: float | None = None
+    uptime_window_s: float = 0.0
+    learner_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    num_failures: int = 0
+    recovery: dict[str, dict[str, Any]] = field(default_factory=dict)  # fault kind -> figures
+    faults: list[dict[str, Any]] = field(default_factory=list)  # each injected fault's outcome
     final: dict[str, HostStatus] = field(default_factory=dict)  # host 0's, once done

@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ray_diloco.algorithm import links
 from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.pacing import StepClock
 from ray_diloco.algorithm.setup import Setup, tokens_per_step
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import LearnerGroupConfig, RunConfig
@@ -43,19 +42,6 @@ UPTIME_WINDOW_STEPS = 20  # the global model is "up" in a window of this many in
 def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:
     """Time one transfer takes on the region's idle link (0 for regions without a link)."""
     return links.link_seconds(cfg.links.get(region), nbytes)
-
-
-class StepClock:
-    """Seeded per-learner step durations: `step_time_s / speed`, with relative jitter."""
-
-    def __init__(self, cfg: RunConfig, lg: LearnerGroupConfig, index: int) -> None:
-        self.base = cfg.step_time_s / lg.speed
-        self.jitter = lg.jitter
-        self.rng = np.random.default_rng([cfg.seed, index])
-
-    def next(self) -> float:
-        noise = self.rng.standard_normal() * self.jitter if self.jitter else 0.0
-        return self.base * max(0.1, 1.0 + noise)
 
 
 @dataclass

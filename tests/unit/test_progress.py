@@ -17,7 +17,7 @@ from ray_diloco.control.protocol import (
 from ray_diloco.observe.display import PlainDisplay, progress_display, render
 from ray_diloco.observe.progress import ProgressTracker, booting
 from ray_diloco.observe.report import progress_line
-from tests.status_helpers import supervisor_status, sync_status
+from tests.status_helpers import sync_status
 
 REGIONS = {"us-0": "us-east", "eu-0": "eu-west"}
 
@@ -36,7 +36,7 @@ def statuses(
         learners={n: LearnerProgress(s, 0, None, None, 1, 0.0) for n, s in steps.items()},
         contributions_merged=merged,
     )
-    sup = supervisor_status(
+    sup = SupervisorStatus(
         goodput=0.5,
         uptime=0.9,
         learners={n: LearnerRow(LearnerState(s), 0, 0) for n, s in states.items()},

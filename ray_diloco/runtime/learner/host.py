@@ -227,7 +227,7 @@ class LearnerHost:
         from ray_diloco.algorithm import sharding
         from ray_diloco.algorithm.learner_core import LearnerCore
         from ray_diloco.algorithm.leases import Lease
-        from ray_diloco.sim import simulate
+        from ray_diloco.algorithm.pacing import StepClock
 
         cfg, lg = self.cfg, self.lg
         reply = Registration(None, {}, (0, 0, []), plan, finished=False)
@@ -252,7 +252,7 @@ class LearnerHost:
         self.layout = dataclasses.asdict(
             sharding.layout_report(core.layout, core.tx, core.params, core.opt_state)
         )
-        clock = simulate.StepClock(cfg, lg, self.index)  # the reference run's seeded jitter
+        clock = StepClock(cfg, lg, self.index)  # the reference run's seeded jitter
         self._set_state(LearnerState.COMPILING, "first step")
         while True:
             t0 = time.perf_counter()

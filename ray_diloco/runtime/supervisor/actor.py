@@ -62,8 +62,8 @@ from ray_diloco.runtime.learner.slot import make_slot, stop_all
 from ray_diloco.runtime.metrics import Metrics
 from ray_diloco.runtime.resources import actor_runtime_env, head_pin_options
 from ray_diloco.runtime.supervisor.faults import ChaosEngine, HostRef
-from ray_diloco.runtime.supervisor.health import Health
-from ray_diloco.runtime.supervisor.membership import UP, Membership, ShardLeaves
+from ray_diloco.runtime.supervisor.health import wire
+from ray_diloco.runtime.supervisor.membership import UP, ShardLeaves
 from ray_diloco.runtime.supervisor.phase import RunPhase
 from ray_diloco.runtime.synchronizer.watch import ShardWatch, uptime_window_s
 
@@ -110,46 +110,23 @@ class Supervisor:
         actions = chaos_schedule(cfg.chaos, names, sorted(set(self.regions.values())), HORIZON_S)
         self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None
         self._lock = threading.Lock()
-        self._snapshot = SupervisorStatus(
-            t=0.0,
-            done=False,
-            all_gave_up=False,
-            learners={},
-            synchronizer=SynchronizerView(),
-            chaos_injected=0,
-            chaos_skipped=0,
-            goodput=0.0,
-            uptime=None,
-            uptime_window_s=0.0,
-            learner_seconds={},
-            num_failures=0,
-            recovery={},
-            faults=[],
-        )
+        self._snapshot = SupervisorStatus()
         self._done = threading.Event()
         self._stop = threading.Event()
         self._final: dict[str, HostStatus] = {}
         self._thread: threading.Thread | None = None
         self._end_t: float | None = None  # when the run finished (RunFinished)
-        self.membership = Membership(
+        self.membership, self.health = wire(
             cfg,
             self.control,
             self.slots,
             self.regions,
+            self.sync,
             self.degradation,
             self.phase,
             lambda lg, index: make_slot(cfg, lg, index, log_level, pin_region),
             ShardLeaves(shards),
             self._record,
-        )
-        self.health = Health(
-            self.control,
-            self.slots,
-            self.sync,
-            self.degradation,
-            self.phase,
-            self.membership,
-            self._record_all,
             self._execute,
         )
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)

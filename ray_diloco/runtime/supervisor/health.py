@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.degradation import DegradationMonitor
 from ray_diloco.control.events import (
     LOOP_ENDED,
@@ -26,7 +27,8 @@ from ray_diloco.control.events import (
 from ray_diloco.control.policy import restart_after_stop
 from ray_diloco.control.protocol import HostPing
 from ray_diloco.control.supervision import Command, Supervision
-from ray_diloco.runtime.supervisor.nodes import lost_nodes
+from ray_diloco.runtime.supervisor.membership import LeaveCalls, Membership, S
+from ray_diloco.runtime.supervisor.nodes import draining_nodes, lost_nodes
 from ray_diloco.runtime.supervisor.phase import RunPhase
 
 logger = logging.getLogger(__name__)
@@ -151,3 +153,34 @@ class Health:
         last_merge = self.degradation.tracks[name].last_merged_s
         seconds = now - max(since, last_merge if last_merge is not None else since)
         return [WorkLost(now, name, steps, seconds)] if steps else []
+
+
+def wire(
+    cfg: RunConfig,
+    control: Supervision,
+    slots: dict[str, S],
+    regions: dict[str, str],
+    sync: SyncView,
+    degradation: DegradationMonitor,
+    phase: RunPhase,
+    new_slot: Callable[[LearnerGroupConfig, int], S],
+    leaves: LeaveCalls,
+    record: Callable[[Event], None],
+    execute: Callable[[list[Command], float], None],
+    draining: Callable[[], set[str]] = draining_nodes,
+    lost: Callable[[Iterable[str]], set[str]] = lost_nodes,
+) -> tuple[Membership[S], Health]:
+    """The supervisor's membership and health logic, wired to each other and to what they act
+    on."""
+    membership = Membership(
+        cfg, control, slots, regions, degradation, phase, new_slot, leaves, record, draining
+    )
+
+    def record_all(events: list[Event]) -> None:
+        for e in events:
+            record(e)
+
+    health = Health(
+        control, slots, sync, degradation, phase, membership, record_all, execute, lost
+    )
+    return membership, health

@@ -49,6 +49,14 @@ class Slot(Protocol):
 S = TypeVar("S", bound=Slot)
 
 
+class LeaveCalls(Protocol):
+    """How membership tells the synchronizer that a learner left (`ShardLeaves`)."""
+
+    def send(self, name: str, reason: str) -> None: ...
+
+    def acknowledged(self) -> list[tuple[str, str, int]]: ...
+
+
 class ShardLeaves:
     """Tells every synchronizer shard that a learner left and collects their answers (shard
     0's: the unread tokens it took back); a failed call (a shard being restored) is resent."""
@@ -88,7 +96,7 @@ class Membership(Generic[S]):
         degradation: DegradationMonitor,
         phase: RunPhase,
         new_slot: Callable[[LearnerGroupConfig, int], S],
-        leaves: ShardLeaves,
+        leaves: LeaveCalls,
         record: Callable[[Event], None],
         draining: Callable[[], set[str]] = draining_nodes,
     ) -> None:
