@@ -455,7 +455,8 @@ def headline(results: Path = RESULTS) -> str:
 
     def per_token(mode: str, w: str) -> str:
         r = wire[(mode, w, "H=24")]
-        return f"{r['bytes_per_token']:.3g}" + (
+        value = r["bytes_per_token"]
+        return (f"{value:,.0f}" if value >= 100 else f"{value:.3g}") + (
             f" ({r['x_fewer_than_dp']:.0f}x fewer)" if mode != "data_parallel" else ""
         )
 
@@ -512,7 +513,14 @@ def headline(results: Path = RESULTS) -> str:
             "page": "[recovery](docs/results/recovery.md)",
         },
     ]
-    return markdown_table(rows, list(rows[0]))
+    sources = ", ".join(
+        f"`{n}.json`"
+        for n in ("goodput", "goodput_sim", "quality_horizon", "bandwidth", "recovery")
+    )
+    return (
+        f"From {sources} in `benchmarks/results/`; each row's page names the command that "
+        f"wrote it and the machine.\n\n{markdown_table(rows, list(rows[0]))}"
+    )
 
 
 # The plots each results page shows under its table (files in benchmarks/results/).
