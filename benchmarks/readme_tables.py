@@ -61,7 +61,7 @@ def quality(data: dict[str, Any]) -> str:
             "rounds": r["rounds"] or "-",
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
             "bytes/token": f"{r['bytes_per_token']:.4g}",
-            # rows run before 2026-11-27 did not record the synchronizer's refusals
+            # the earliest rows were run before the benchmark recorded the refusals
             "refused": _refused(r["refused"]) if "refused" in r else "not recorded",
         }
         for r in data["rows"]
