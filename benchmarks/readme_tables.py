@@ -434,9 +434,10 @@ def _load(name: str, results: Path) -> dict[str, Any]:
     return json.loads((results / f"{name}.json").read_text())
 
 
-def headline(results: Path = RESULTS) -> str:
+def headline(results: Path = RESULTS, pages: str = "docs/results/") -> str:
     """The README's one table: goodput, quality, bandwidth and recovery of the default against
-    synchronous DiLoCo and data-parallel training, each row from its benchmark's JSON."""
+    synchronous DiLoCo and data-parallel training, each row from its benchmark's JSON and
+    linking its results page (`pages`: where they are from the page holding the table)."""
     good = _load("goodput", results)["rows"]
 
     def goodput_at(mode: str, failures: str) -> str:
@@ -473,35 +474,35 @@ def headline(results: Path = RESULTS) -> str:
             "ray_diloco (default)": goodput_at("decoupled", "aggressive"),
             "synchronous DiLoCo": goodput_at("synchronous", "aggressive"),
             "data-parallel": goodput_at("data_parallel", "aggressive"),
-            "page": "[goodput](docs/results/goodput.md)",
+            "page": f"[goodput]({pages}goodput.md)",
         },
         {
             "measure": "goodput at 1.2M chips, simulated (8 learners)",
             "ray_diloco (default)": f"{100 * sim[('decoupled', 8)]['goodput']:.0f}%",
             "synchronous DiLoCo": "-",
             "data-parallel": f"{100 * sim[('data_parallel', 1)]['goodput']:.0f}%",
-            "page": "[goodput at scale](docs/results/goodput_sim.md)",
+            "page": f"[goodput at scale]({pages}goodput_sim.md)",
         },
         {
             "measure": "held-out loss, 104 outer steps a fragment (3 seeds)",
             "ray_diloco (default)": loss(DEFAULT_VARIANT),
             "synchronous DiLoCo": loss("synchronous"),
             "data-parallel": loss("data_parallel"),
-            "page": "[quality](docs/results/quality_horizon.md)",
+            "page": f"[quality]({pages}quality_horizon.md)",
         },
         {
             "measure": "the same at 16x the global batch (3 seeds)",
             "ray_diloco (default)": loss(DEFAULT_VARIANT + batch),
             "synchronous DiLoCo": loss("synchronous" + batch),
             "data-parallel": loss("data_parallel" + batch),
-            "page": "[quality](docs/results/quality_horizon.md)",
+            "page": f"[quality]({pages}quality_horizon.md)",
         },
         {
             "measure": "bytes per token trained, learner links (H = 24)",
             "ray_diloco (default)": per_token("decoupled", "int4 both ways"),
             "synchronous DiLoCo": per_token("synchronous", "int4 both ways"),
             "data-parallel": per_token("data_parallel", "float32"),
-            "page": "[bandwidth](docs/results/bandwidth.md)",
+            "page": f"[bandwidth]({pages}bandwidth.md)",
         },
         {
             "measure": "a killed learner host on Ray: detected / contributing again (median)",
@@ -510,7 +511,7 @@ def headline(results: Path = RESULTS) -> str:
             ),
             "synchronous DiLoCo": "-",
             "data-parallel": "-",
-            "page": "[recovery](docs/results/recovery.md)",
+            "page": f"[recovery]({pages}recovery.md)",
         },
     ]
     sources = ", ".join(
@@ -564,7 +565,7 @@ def block(name: str, results: Path = RESULTS, plots: bool = False) -> str:
     """One generated block: where the figures come from, the table, and (on a results page)
     the plots."""
     if name == "headline":
-        return headline(results)
+        return headline(results, "" if plots else "docs/results/")
     data = _load(name, results)
     meta = data.get("meta") or {}
     where = (

@@ -92,6 +92,7 @@ def test_readme_results_are_generated_from_the_json():
         name
         for page in sorted((ROOT / "docs" / "results").glob("*.md"))
         for name in re.findall(r"<!-- results:(\w+) -->", page.read_text())
+        if name != "headline"  # the README's table, from several JSON files
     ]
     tables = subprocess.run(
         [sys.executable, "-c", "import readme_tables; print(*sorted(readme_tables.TABLES))"],
