@@ -29,10 +29,10 @@ QUICK_MODEL = [
     "diloco.num_fragments=8",
     "task_args.data.eval_batches=2",
 ]
-# The quality benchmarks' variants start from algorithm.md as written (every learner receives
+# The quality benchmarks' variants start from docs/algorithm.md as written (every learner receives
 # every round, a round steps in full, a new version overwrites the learner's values, bfloat16
 # both ways, K = 1 with the grace window) and name what they change.
-GRACE = ["diloco.grace_fraction=0.5"]  # algorithm.md's grace window (DilocoConfig's default)
+GRACE = ["diloco.grace_fraction=0.5"]  # docs/algorithm.md's grace window (DilocoConfig's default)
 NO_GRACE = ["diloco.grace_fraction=0"]
 AS_WRITTEN = [
     "diloco.quorum_min=1",

@@ -3,7 +3,7 @@ suite's config (2 learners, P = 2, H = 6, 72k tokens planned, `tests/chaos/chaos
 with the synchronizer refusing every offer for `length` virtual seconds from `start`. The
 learners train through it; the first offers after it carry the whole outage's work. Each
 outage runs with the outer optimizer taking one sync window's worth of such a round
-("window", the default) and the whole of it ("all", algorithm.md section 6). As the chaos
+("window", the default) and the whole of it ("all", docs/algorithm.md section 6). As the chaos
 suite does, a run trains past the outage: to its planned budget, or the outage's tokens and a
 quarter budget more.
 

@@ -5,6 +5,7 @@ in-process reference run (`ray_diloco.sim.simulate`), which is deterministic for
     python benchmarks/quality.py            # jobs/reference.yaml, 2M tokens per variant
     python benchmarks/quality.py --quick    # tiny model, smoke check
     python benchmarks/quality.py --jobs 2   # two variants at a time
+    python benchmarks/quality.py --plot     # redraw quality.png from quality.json, run nothing
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 from ray_diloco.config import load_config
@@ -143,6 +145,27 @@ def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
     }
 
 
+# The curves of quality.png: the baselines, the method as written, the two steps that changed
+# it most, and the default with and without the grace window and RDA. The other variants are
+# in the table only: 38 curves are more than a legend can tell apart.
+PLOTTED = {
+    "data_parallel": "data-parallel",
+    "synchronous": "synchronous DiLoCo",
+    "decoupled K=1 grace": "decoupled as written, K = 1 with grace",
+    DEFAULT: "as written + sqrt step",
+    DEFAULT_ROW: "as written + sqrt step + mix",
+    f"{DEFAULT_K2}, no grace": "the default (sqrt step, mix, int4 both ways, K = 2)",
+    DEFAULT_K2: "the default with the grace window",
+    f"{DEFAULT_K2}, no grace, mean merge": "the default with the plain mean, not RDA",
+}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    by = {r["variant"]: r for r in rows}
+    curves = [(label, by[name]["evals"]) for name, label in PLOTTED.items() if name in by]
+    plot_loss_curves(curves, path)
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="subset of variants")
@@ -152,9 +175,15 @@ def main() -> None:
         action="store_true",
         help="keep the rows already in the JSON and run only the variants missing there",
     )
+    p.add_argument(
+        "--plot", action="store_true", help="redraw the plot from the JSON in --out, run nothing"
+    )
     args = p.parse_args()
     name = "quality-quick" if args.quick else "quality"
     path = args.out / f"{name}.json"
+    if args.plot:
+        plot(json.loads(path.read_text())["rows"], args.out / f"{name}.png")
+        return
     kept = json.loads(path.read_text())["rows"] if args.add and path.exists() else []
     have = {r["variant"] for r in kept}
     chosen = {
@@ -181,7 +210,7 @@ def main() -> None:
     for r in rows:
         r["vs_data_parallel"] = (r["heldout_loss"] / dp - 1) if dp else None
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_loss_curves([(r["variant"], r["evals"]) for r in rows], args.out / f"{name}.png")
+    plot(rows, args.out / f"{name}.png")
     columns = [
         "variant",
         "heldout_loss",

@@ -1,11 +1,14 @@
-"""Write the README's results tables from the benchmarks' JSON.
+"""Write the README's and the docs' results tables, and the configuration reference, from the
+benchmarks' JSON and the config schema: one command for every generated figure.
 
-Each table sits in README.md between `<!-- results:NAME -->` and `<!-- /results:NAME -->` and is
-rebuilt from `benchmarks/results/NAME.json`, with the command that produced it, the machine
-and the date, so the README never says what the JSON does not.
+Each table sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->` in README.md or a
+page under docs/, and is rebuilt from `benchmarks/results/NAME.json` with the command that
+produced it and the machine it ran on (a page under docs/results/ gets the plots too), so no
+page says what the JSON does not. docs/configuration.md is written whole from the pydantic
+schema (`config_reference.py`).
 
-    python benchmarks/readme_tables.py           # rewrite README.md
-    python benchmarks/readme_tables.py --check   # exit 1 (and say which) if README.md is stale
+    python benchmarks/readme_tables.py           # rewrite README.md, docs/**/*.md
+    python benchmarks/readme_tables.py --check   # exit 1 (and say which) if any is stale
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from ray_diloco.observe.report import markdown_table
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CONFIG_PAGE = DOCS / "configuration.md"
 
 Rows = list[dict[str, Any]]
 
@@ -56,7 +61,7 @@ def quality(data: dict[str, Any]) -> str:
             "rounds": r["rounds"] or "-",
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
             "bytes/token": f"{r['bytes_per_token']:.4g}",
-            # rows run before 2026-11-27 did not record the synchronizer's refusals
+            # the earliest rows were run before the benchmark recorded the refusals
             "refused": _refused(r["refused"]) if "refused" in r else "not recorded",
         }
         for r in data["rows"]
@@ -420,6 +425,123 @@ def synchronizer(data: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+# The config's default (the 4-learner job files: K = 2 without the grace window, the mix, the
+# sqrt step, 4 bits both ways) as the quality benchmarks name it.
+DEFAULT_VARIANT = "decoupled K=1 grace, sqrt step, mixing alpha 0.25, int4 both ways, K=2, no grace"
+
+
+def _load(name: str, results: Path) -> dict[str, Any]:
+    return json.loads((results / f"{name}.json").read_text())
+
+
+def headline(results: Path = RESULTS, pages: str = "docs/results/") -> str:
+    """The README's one table: goodput, quality, bandwidth and recovery of the default against
+    synchronous DiLoCo and data-parallel training, each row from its benchmark's JSON and
+    linking its results page (`pages`: where they are from the page holding the table)."""
+    good = _load("goodput", results)["rows"]
+
+    def goodput_at(mode: str, failures: str) -> str:
+        runs = [r["goodput"] for r in good if r["mode"] == mode and r["failures"] == failures]
+        return f"{100 * sum(runs) / len(runs):.0f}%"
+
+    horizon = {(r["variant"]): r for r in _load("quality_horizon", results)["rows"]}
+
+    def loss(variant: str) -> str:
+        r = horizon[variant]
+        return f"{r['heldout_loss']:.3f}" + (
+            f" ({_pct(r['vs_data_parallel'])})" if r["vs_data_parallel"] else ""
+        )
+
+    wire = {(r["mode"], r["wire"], r["setting"]): r for r in _load("bandwidth", results)["rows"]}
+
+    def per_token(mode: str, w: str) -> str:
+        r = wire[(mode, w, "H=24")]
+        value = r["bytes_per_token"]
+        return (f"{value:,.0f}" if value >= 100 else f"{value:.3g}") + (
+            f" ({r['x_fewer_than_dp']:.0f}x fewer)" if mode != "data_parallel" else ""
+        )
+
+    sim = {
+        (r["system"], r["learners"]): r
+        for r in _load("goodput_sim", results)["rows"]
+        if r["chips"] == 1_200_000
+    }
+    kill = next(r for r in _load("recovery", results)["rows"] if r["fault"] == "kill_host")
+    batch = ", global batch 512"
+    rows = [
+        {
+            "measure": "goodput under aggressive failures (reference run, 3 schedules)",
+            "ray_diloco (default)": goodput_at("decoupled", "aggressive"),
+            "synchronous DiLoCo": goodput_at("synchronous", "aggressive"),
+            "data-parallel": goodput_at("data_parallel", "aggressive"),
+            "page": f"[goodput]({pages}goodput.md)",
+        },
+        {
+            "measure": "goodput at 1.2M chips, simulated (8 learners)",
+            "ray_diloco (default)": f"{100 * sim[('decoupled', 8)]['goodput']:.0f}%",
+            "synchronous DiLoCo": "-",
+            "data-parallel": f"{100 * sim[('data_parallel', 1)]['goodput']:.0f}%",
+            "page": f"[goodput at scale]({pages}goodput_sim.md)",
+        },
+        {
+            "measure": "held-out loss, 104 outer steps a fragment (3 seeds)",
+            "ray_diloco (default)": loss(DEFAULT_VARIANT),
+            "synchronous DiLoCo": loss("synchronous"),
+            "data-parallel": loss("data_parallel"),
+            "page": f"[quality]({pages}quality_horizon.md)",
+        },
+        {
+            "measure": "the same at 16x the global batch (3 seeds)",
+            "ray_diloco (default)": loss(DEFAULT_VARIANT + batch),
+            "synchronous DiLoCo": loss("synchronous" + batch),
+            "data-parallel": loss("data_parallel" + batch),
+            "page": f"[quality]({pages}quality_horizon.md)",
+        },
+        {
+            "measure": "bytes per token trained, learner links (H = 24)",
+            "ray_diloco (default)": per_token("decoupled", "int4 both ways"),
+            "synchronous DiLoCo": per_token("synchronous", "int4 both ways"),
+            "data-parallel": per_token("data_parallel", "float32"),
+            "page": f"[bandwidth]({pages}bandwidth.md)",
+        },
+        {
+            "measure": "a killed learner host on Ray: detected / contributing again (median)",
+            "ray_diloco (default)": (
+                f"{kill['detection_s_median']:.1f} s / {kill['recovery_s_median']:.1f} s"
+            ),
+            "synchronous DiLoCo": "-",
+            "data-parallel": "-",
+            "page": f"[recovery]({pages}recovery.md)",
+        },
+    ]
+    sources = ", ".join(
+        f"`{n}.json`"
+        for n in ("goodput", "goodput_sim", "quality_horizon", "bandwidth", "recovery")
+    )
+    return (
+        f"From {sources} in `benchmarks/results/`; each row's page names the command that "
+        f"wrote it and the machine.\n\n{markdown_table(rows, list(rows[0]))}"
+    )
+
+
+# The plots each results page shows under its table (files in benchmarks/results/).
+PLOTS: dict[str, list[str]] = {
+    "quality": ["quality.png"],
+    "quality_horizon": [
+        "quality_horizon.png",
+        "quality_horizon-batch.png",
+        "quality_horizon-scaling.png",
+    ],
+    "goodput": ["goodput.png"],
+    "goodput_sim": ["goodput_sim.png"],
+    "goodput_sim_slow_repair": ["goodput_sim_slow_repair.png"],
+    "bandwidth_sim": ["bandwidth_sim.png"],
+    "scavenging": ["scavenging.png"],
+    "synchronizer": ["synchronizer.png"],
+    "sharded_learner": ["sharded_learner.png"],
+}
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quality": quality,
     "quality_horizon": quality_horizon,
@@ -439,42 +561,69 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 
 
-def block(name: str, results: Path = RESULTS) -> str:
-    data = json.loads((results / f"{name}.json").read_text())
+def block(name: str, results: Path = RESULTS, plots: bool = False) -> str:
+    """One generated block: where the figures come from, the table, and (on a results page)
+    the plots."""
+    if name == "headline":
+        return headline(results, "" if plots else "docs/results/")
+    data = _load(name, results)
     meta = data.get("meta") or {}
     where = (
-        f"`{meta['command']}` on {meta['machine']}, {meta['date']}:"
+        f"`{meta['command']}` on {meta['machine']}:"
         if meta
         else f"from `benchmarks/results/{name}.json`:"
     )
-    return f"{where}\n\n{TABLES[name](data)}"
+    parts = [where, TABLES[name](data)]
+    if plots:
+        parts += [f"![{png.removesuffix('.png')}]({png})" for png in PLOTS.get(name, [])]
+    return "\n\n".join(parts)
 
 
-def render(readme: str, results: Path = RESULTS) -> str:
-    """`readme` with every results block rebuilt; a block names a table in TABLES."""
+BLOCK = re.compile(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", flags=re.DOTALL)
+
+
+def render(text: str, results: Path = RESULTS, plots: bool = False) -> str:
+    """`text` with every results block rebuilt; a block names a table in TABLES (or the
+    headline)."""
 
     def fill(m: re.Match[str]) -> str:
         name = m.group(1)
-        if name not in TABLES:
-            raise SystemExit(f"README.md: unknown results block {name!r}; known: {list(TABLES)}")
-        return f"<!-- results:{name} -->\n{block(name, results)}\n<!-- /results:{name} -->"
+        if name not in TABLES and name != "headline":
+            raise SystemExit(f"unknown results block {name!r}; known: {list(TABLES)}")
+        return f"<!-- results:{name} -->\n{block(name, results, plots)}\n<!-- /results:{name} -->"
 
-    return re.sub(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", fill, readme, flags=re.DOTALL)
+    return BLOCK.sub(fill, text)
+
+
+def pages() -> list[Path]:
+    """Every file that holds generated blocks: the README and the docs' pages."""
+    return [README, *sorted(p for p in DOCS.rglob("*.md") if p != CONFIG_PAGE)]
+
+
+def generated() -> dict[Path, str]:
+    """What every generated file should hold now."""
+    from config_reference import reference
+
+    out = {p: render(p.read_text(), plots=p.parent == DOCS / "results") for p in pages()}
+    out[CONFIG_PAGE] = reference()
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    p.add_argument("--check", action="store_true", help="fail if any generated file is stale")
     args = p.parse_args()
-    old = README.read_text()
-    new = render(old)
+    new = generated()
+    stale = [path for path, text in new.items() if not path.exists() or path.read_text() != text]
     if args.check:
-        if new != old:
-            sys.exit("README.md results are stale: run python benchmarks/readme_tables.py")
-        print("README.md results match benchmarks/results/*.json")
+        if stale:
+            names = ", ".join(str(path.relative_to(ROOT)) for path in stale)
+            sys.exit(f"stale: {names}; run python benchmarks/readme_tables.py")
+        print(f"{len(new)} generated files match benchmarks/results/*.json and the config schema")
         return
-    README.write_text(new)
-    print(f"rewrote {len(re.findall('<!-- results:', new))} results tables in README.md")
+    for path in stale:
+        path.write_text(new[path])
+    print(f"rewrote {len(stale)} of {len(new)} generated files")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@
    merged it: median, p99), the largest RSS of a shard, offers that had to wait, and whether
    the shards kept up.
 3. scale: from the per-core merge throughput, the CPU cores and memory the synchronizer needs
-   for the published 12B model across 4 regions (arithmetic in the JSON and the README).
+   for the published 12B model across 4 regions (the arithmetic: the JSON and
+   docs/results/synchronizer.md).
 
     python benchmarks/synchronizer.py            # merge 1 MB..1 GB; load 10M/30M/100M x 1/2/4
     python benchmarks/synchronizer.py --quick    # merge 1..64 MB; load 10M x 1/2

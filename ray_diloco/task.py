@@ -50,7 +50,7 @@ ShardingRules = (
 )
 
 # Leaves whose rows are updated sparsely (token/position embeddings, output projections) merge
-# with a plain weighted mean instead of RDA (algorithm.md sections 3 and 6).
+# with a plain weighted mean instead of RDA (docs/algorithm.md sections 3 and 6).
 _EMBEDDING = re.compile(r"embed|wte|wpe|lm_head", re.IGNORECASE)
 
 

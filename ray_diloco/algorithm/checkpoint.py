@@ -7,7 +7,7 @@ numbered step per save through an Orbax `CheckpointManager`, which writes into a
 directory and renames it when complete, so a crash mid-save never leaves a half checkpoint that
 `restore` could pick up; it keeps the newest `keep` steps. `sync_state_to_tree` and
 `sync_state_from_tree` convert `SynchronizerCore.state_dict()` to and from that split form
-(algorithm.md section 7: a restarted synchronizer keeps fragments, versions and the ledger).
+(docs/algorithm.md section 7: a restarted synchronizer keeps fragments, versions and the ledger).
 """
 
 from __future__ import annotations

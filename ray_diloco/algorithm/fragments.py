@@ -1,5 +1,5 @@
 """Layer: algorithm (pure, no Ray). Splits the flat parameter dict into P disjoint fragments
-and decides which fragments are due at an inner step. Implements algorithm.md section 3.
+and decides which fragments are due at an inner step. Implements docs/algorithm.md section 3.
 
 Parameters are a flat dict keyed by "/"-joined leaf paths (docs/contracts.md). A leaf is never
 split: fragments are sets of whole leaves, balanced by greedy LPT (largest leaf first to the

@@ -1,5 +1,5 @@
 """Layer: algorithm (pure, no Ray, no arrays). The guards that judge a contribution's numbers
-(algorithm.md section 7; the round state machine in rounds.py applies them in order): its
+(docs/algorithm.md section 7; the round state machine in rounds.py applies them in order): its
 counters (`implausible`) and its norm (`NormHistory`, armed by rounds.py).
 
 The norm guard's statistic is a contribution's own update (its delta to its base) per inner

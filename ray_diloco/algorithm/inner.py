@@ -1,5 +1,5 @@
 """Layer: algorithm (pure, no Ray). The inner optimizer and the learner's jitted inner step
-(`loss, grads = step(params, batch)` in algorithm.md section 4), plus held-out evaluation (the
+(`loss, grads = step(params, batch)` in docs/algorithm.md section 4), plus held-out evaluation (the
 quality measure of section 9), for any task (ray_diloco/task.py).
 
 The learner keeps its parameters as a flat dict keyed by key path (algorithm/pytree.py); the

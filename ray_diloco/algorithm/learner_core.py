@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray). One learner's state and loop body (algorithm.md section 4).
+"""Layer: algorithm (pure, no Ray). One learner's state and loop body (docs/algorithm.md section 4).
 
 Holds the local parameters, the inner optimizer state, the data cursor, the per-fragment
 counters and the base version (and its published value) of every fragment. The caller owns
@@ -310,7 +310,7 @@ class LearnerCore:
                 self.params[k] = self.layout.mix(k, alpha, self.params[k], value)
             else:
                 self.params[k] = self.layout.param(k, value)
-        # Decision (algorithm.md section 4): the inner optimizer state is kept.
+        # Decision (docs/algorithm.md section 4): the inner optimizer state is kept.
         self.base_values[p] = host
         self.base_version[p] = version
         self.steps_since[p] = 0

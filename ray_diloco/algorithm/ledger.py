@@ -1,4 +1,4 @@
-"""Layer: algorithm (pure, no Ray). The token ledger (algorithm.md section 7).
+"""Layer: algorithm (pure, no Ray). The token ledger (docs/algorithm.md section 7).
 
 Per learner it keeps the data cursor (the number of tokens it has trained, across
 incarnations) and, per fragment, the tokens that made it into the global model; the data pool

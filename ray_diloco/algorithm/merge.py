@@ -1,6 +1,6 @@
 """Layer: algorithm (pure, no Ray). Turns the contributions of a round into one outer gradient
 per leaf: token weights, weighted mean and Radial-Directional Averaging (RDA), plus the
-numerical checks the synchronizer's guards use. Implements algorithm.md section 6.
+numerical checks the synchronizer's guards use. Implements docs/algorithm.md section 6.
 
 Everything runs in NumPy on host arrays (the synchronizer holds fragments on the host), in
 float32, the parameters' dtype, one cache-sized chunk at a time (`chunks.py`): no array of the

@@ -1,6 +1,6 @@
 """Layer: algorithm (pure, no Ray). The outer optimizer: SGD with Nesterov momentum applied by
 the synchronizer to each fragment's global value with the merged outer gradient, one optimizer
-state per fragment. Implements algorithm.md section 6.
+state per fragment. Implements docs/algorithm.md section 6.
 
 The arithmetic is optax's `sgd(lr, momentum, nesterov)` (`optax.trace` then a scale by -lr,
 in float32, operation for operation; `tests/unit/test_outer.py` pins it to optax), written in

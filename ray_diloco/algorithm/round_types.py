@@ -38,7 +38,7 @@ class RoundPolicy:
         inner_warmup_steps: int = 0,
         token_budget: int | None = None,
     ) -> RoundPolicy:
-        # Synchronous mode (algorithm.md section 8): K = M and no grace, i.e. a barrier.
+        # Synchronous mode (docs/algorithm.md section 8): K = M and no grace, i.e. a barrier.
         synchronous = diloco.mode == "synchronous"
         return cls(
             quorum_min=num_learners if synchronous else diloco.quorum_min,
@@ -59,7 +59,7 @@ class RoundPolicy:
 
 @dataclass(frozen=True)
 class ContributionMeta:
-    """What a learner says about one fragment it offers (algorithm.md section 4)."""
+    """What a learner says about one fragment it offers (docs/algorithm.md section 4)."""
 
     learner: str
     incarnation: int

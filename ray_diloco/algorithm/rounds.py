@@ -1,6 +1,6 @@
 """Layer: algorithm (pure, no Ray, no arrays). The synchronizer's round state machine.
 
-This is where the quorum rule lives (algorithm.md section 5) together with membership,
+This is where the quorum rule lives (docs/algorithm.md section 5) together with membership,
 fencing and the numerical guards (section 7). Each fragment has its own sequence of rounds;
 round n of fragment p produces version n+1 of G_p. The machine never touches parameters: a
 contribution carries an opaque `payload` handle that comes back, untouched, in the
@@ -275,7 +275,7 @@ class RoundBook:
         return meta.step - meta.num_steps >= self.policy.inner_warmup_steps
 
     def _outlier(self, frag: _FragmentState, meta: ContributionMeta, norm: float) -> bool:
-        """The norm guard (algorithm.md section 7, revised; algorithm/guards.py judges):
+        """The norm guard (docs/algorithm.md section 7, revised; algorithm/guards.py judges):
         the learner's own update per inner step against its own recent ones. Its own update,
         because the distance to the current global value includes other learners' drift; per
         step, because a contribution covering more steps is longer by construction; only

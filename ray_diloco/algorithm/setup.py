@@ -82,7 +82,7 @@ def layout_of(cfg: RunConfig, task: Task | None = None) -> TreeLayout:
 
 
 def fragment_plan(cfg: RunConfig, task: Task | None = None) -> FragmentPlan:
-    """The run's fragments (algorithm.md section 3), from the parameters' shapes alone."""
+    """The run's fragments (docs/algorithm.md section 3), from the parameters' shapes alone."""
     task = task or task_of(cfg)
     return _plan(cfg, task, layout_of(cfg, task))
 

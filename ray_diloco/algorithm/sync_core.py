@@ -6,7 +6,7 @@ Holds the global value of every fragment it owns (all of them, or a shard's shar
 that `owns_data` (shard 0) hands out the data pool's leases, every core keeps the cursors the
 learners report. `offer` reconstructs a contribution from its wire delta, guards it and hands
 it to the round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step,
-commit, and the value to publish (algorithm.md sections 5 to 7). The in-process reference run
+commit, and the value to publish (docs/algorithm.md sections 5 to 7). The in-process reference run
 (`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
 Its recovery after a restart (no merged round lost) lives in `sync_recovery.py`.
 """

@@ -1,5 +1,5 @@
 """Layer: algorithm (pure, no Ray). How a restarted synchronizer core loses no merged round
-(algorithm.md section 7; docs/contracts.md, issue 17): a fragment with rounds past its
+(docs/algorithm.md section 7; docs/contracts.md, issue 17): a fragment with rounds past its
 checkpoint is held while the learners hand back the newest value they hold, and the round log
 replays the ledger and the round book up to it. `SynchronizerCore` (sync_core.py) carries these
 methods; they read and write its state, named below."""

@@ -1,7 +1,7 @@
 """Layer: algorithm (pure, no Ray). Wire formats for fragments crossing a learner-synchronizer
 link: float32, bfloat16, int8 (per-tensor scale), int4 (blockwise scales, two values per
 byte) and int2 (blockwise scales, four values per byte: where quality breaks). Streaming
-DiLoCo (algorithm.md section 1) sends outer gradients in 4 bits without measurable loss; the
+DiLoCo (docs/algorithm.md section 1) sends outer gradients in 4 bits without measurable loss; the
 byte counts here are what the bandwidth measure (section 9) adds up.
 
 Layouts (all little-endian, independent of the host):

@@ -1,5 +1,5 @@
 """Layer: cli. `ray-diloco simulate-bandwidth`, the cross-datacenter bandwidth each system needs
-to keep its goodput and the goodput it gets on given links (algorithm.md section 9).
+to keep its goodput and the goodput it gets on given links (docs/algorithm.md section 9).
 
   ray-diloco simulate-bandwidth                                    both presets, 8 and 4 sites
   ray-diloco simulate-bandwidth --preset ray-diloco --datacenters 4 --links 2 5

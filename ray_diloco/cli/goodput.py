@@ -1,4 +1,4 @@
-"""Layer: cli. `ray-diloco simulate-goodput`, the goodput simulator at scale (algorithm.md
+"""Layer: cli. `ray-diloco simulate-goodput`, the goodput simulator at scale (docs/algorithm.md
 section 10) from the command line.
 
   ray-diloco simulate-goodput --chips 1200000 --learners 8          one cluster, every system

@@ -31,7 +31,7 @@ class InnerOptimizerConfig(_Frozen):
 
 
 class OuterOptimizerConfig(_Frozen):
-    """SGD with Nesterov momentum, one state per fragment (algorithm.md section 6)."""
+    """SGD with Nesterov momentum, one state per fragment (docs/algorithm.md section 6)."""
 
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)

@@ -11,7 +11,7 @@ from ray_diloco.config.base import WireDtype, _Frozen
 
 
 class GoodputSimConfig(_Frozen):
-    """Goodput simulation at scale (algorithm.md section 10; `ray-diloco simulate-goodput`).
+    """Goodput simulation at scale (docs/algorithm.md section 10; `ray-diloco simulate-goodput`).
 
     The defaults are calibrated: each cost is set from what is published or standard for a
     large TPU job with hot spares and in-memory checkpoints (the reasons are in the field
@@ -118,7 +118,7 @@ class GoodputSimConfig(_Frozen):
 
 class BandwidthSimConfig(_Frozen):
     """Cross-datacenter bandwidth of data-parallel training against Decoupled DiLoCo
-    (algorithm.md section 9; `ray-diloco simulate-bandwidth`). The defaults are this
+    (docs/algorithm.md section 9; `ray-diloco simulate-bandwidth`). The defaults are this
     project's method settings; `PRESETS` in `sim/bandwidth_sim.py` holds the assumptions that
     reproduce the published pair (198 vs 0.84 Gbps across 8 datacenters)."""
 

@@ -215,7 +215,7 @@ class LearnerRestarted(Event):
 @_register
 @dataclass(frozen=True)
 class LearnerRejoined(Event):
-    """The moment a restarted incarnation contributes again (algorithm.md section 7):
+    """The moment a restarted incarnation contributes again (docs/algorithm.md section 7):
     it adopted `adopted_versions` (fragment -> version); `recovered_in_s` from detection."""
 
     kind: ClassVar[str] = "learner_rejoined"
@@ -228,7 +228,7 @@ class LearnerRejoined(Event):
 @_register
 @dataclass(frozen=True)
 class ContributionRejected(Event):
-    """Fencing or a numerical guard refused a contribution (algorithm.md section 7)."""
+    """Fencing or a numerical guard refused a contribution (docs/algorithm.md section 7)."""
 
     kind: ClassVar[str] = "contribution_rejected"
     learner: str

@@ -1,6 +1,6 @@
 """Layer: control (pure Python; no Ray, no JAX). Goodput and uptime from an event tape.
 
-Pure accounting over a list of events (algorithm.md section 9), so the same numbers come out of
+Pure accounting over a list of events (docs/algorithm.md section 9), so the same numbers come out of
 a live run, a replayed tape and the simulator. Definitions, precisely:
 
 - A learner's time line starts at its first event of any kind that names it (`learner` field)

@@ -8,7 +8,7 @@ As Ray builds its own dashboards (`ray/dashboard/modules/metrics/dashboards`: `P
 
 Every query filters on the run's name (`run`, a dashboard variable) and uses the datasource
 variable `${datasource}` as Ray's dashboards do, so the file loads next to them in the Grafana
-that Ray provisions (README: "Watching a run").
+that Ray provisions (docs/observability.md).
 """
 
 from __future__ import annotations

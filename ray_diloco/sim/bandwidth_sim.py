@@ -1,5 +1,5 @@
 """Layer: sim (pure, no Ray, no JAX). Cross-datacenter bandwidth each system needs to keep
-its goodput, and the goodput it gets on a given link (algorithm.md section 9).
+its goodput, and the goodput it gets on a given link (docs/algorithm.md section 9).
 
 Each datacenter has one WAN link (full duplex, the same in both directions).
 

@@ -1,5 +1,5 @@
 """Layer: sim (pure, no Ray, no JAX). How one job reacts to the failures of its slices:
-when it runs and on how many chips (algorithm.md section 10).
+when it runs and on how many chips (docs/algorithm.md section 10).
 
 A job is a set of slices (`Slices`): the whole cluster (data-parallel, elastic data-parallel)
 or one learner's group. Three reactions, each from `goodput_trace.stalls` (one cost per failure that

@@ -1,5 +1,5 @@
 """Layer: sim (pure, no Ray, no JAX). Discrete-event goodput simulator at scale
-(algorithm.md sections 9 and 10).
+(docs/algorithm.md sections 9 and 10).
 
 Systems react to the same failure trace (`goodput_trace.make_trace`); each is a job, or a set
 of jobs, of `goodput_jobs` (one cost per failure that hits a running job; failures during a

@@ -1,5 +1,5 @@
 """Layer: sim (pure, no Ray, no arrays). The goodput sweep over cluster sizes and learner
-counts, its markdown table and its plot (algorithm.md section 10).
+counts, its markdown table and its plot (docs/algorithm.md section 10).
 
 One failure trace per cluster size is shared by every system and every learner count, so the
 rows of one size differ only in how the systems react to the same failures. Rows are flat

@@ -1,5 +1,5 @@
 """Layer: sim (pure, no Ray, no JAX). Failure traces, stalls and uptime windows for the
-goodput simulator (algorithm.md section 10).
+goodput simulator (docs/algorithm.md section 10).
 
 A cluster of N chips is cut into slices of `chips_per_slice` (the unit that fails and is
 replaced; the last slice holds the remainder). Each slice alternates between up and down: its

@@ -20,14 +20,14 @@ def rounds_closed(sync: SynchronizerCore) -> int:
 
 def lost_fraction(sync: SynchronizerCore) -> float:
     """Share of trained tokens whose contribution was fenced or dropped by a guard: work that
-    never reaches the global model (algorithm.md section 9, "work lost"). The tau overlap steps
+    never reaches the global model (docs/algorithm.md section 9, "work lost"). The tau overlap steps
     that an overwrite (mixing_alpha = 0) replaces are the merge rule, not lost time."""
     trained = sync.ledger.tokens_trained
     return sync.rejected_tokens / trained if trained else 0.0
 
 
 def goodput(busy: list[float], until: list[float]) -> float:
-    """Fault-free goodput (algorithm.md section 9): step seconds over allocated seconds, each
+    """Fault-free goodput (docs/algorithm.md section 9): step seconds over allocated seconds, each
     learner's allocation ending with its last completed step (the step it is in when the budget
     is reached is cut off by stopping, not lost). What remains lost is time blocked on a
     barrier, waiting for the slowest host or for the all-reduce."""

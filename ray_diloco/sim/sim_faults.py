@@ -2,7 +2,7 @@
 
 The seeded chaos schedule of `control/chaos.py` decides when which learner dies (every fault
 that takes a learner's process or host down counts: kill_host, kill_group, remove_node,
-hang_host). On the virtual clock a failure costs what it costs a real learner (algorithm.md
+hang_host). On the virtual clock a failure costs what it costs a real learner (docs/algorithm.md
 sections 7 and 9):
 - DiLoCo: the learner stops; the work it did on each fragment since it last handed that
   fragment over is lost; `chaos.restart_s` later a new incarnation adopts the published

@@ -1,5 +1,5 @@
 """Layer: sim (pure, no Ray). The reference run: M learners and the synchronizer in one
-process on a virtual clock (algorithm.md sections 4 to 8).
+process on a virtual clock (docs/algorithm.md sections 4 to 8).
 
 Every learner step takes `step_time_s / speed` virtual seconds (times `1 + jitter * N(0, 1)`),
 transfers take what the region's emulated link would take, and merges take `sync_time_s`. The
@@ -36,7 +36,7 @@ from ray_diloco.sim.run_summary import (
 Progress = Callable[[dict[str, Any]], None]
 NUM_EVALS = 10  # held-out evaluations of the global parameters over a run
 UPTIME_WINDOW_STEPS = 20  # the global model is "up" in a window of this many inner steps
-# when it advanced at least once in it (algorithm.md section 9)
+# when it advanced at least once in it (docs/algorithm.md section 9)
 
 
 def link_seconds(cfg: RunConfig, region: str, nbytes: int) -> float:

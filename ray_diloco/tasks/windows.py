@@ -1,5 +1,5 @@
 """Layer: tasks (pure, no Ray). Batches of a language model from one long token stream: the
-deterministic, resumable data both built-in tasks read (`batch = next(data)` in algorithm.md
+deterministic, resumable data both built-in tasks read (`batch = next(data)` in docs/algorithm.md
 section 4; the cursor a restarted learner resumes from the token ledger, section 7).
 
 The train stream (bytes or tokenizer ids, a NumPy array or a memory map) is cut into windows of

@@ -1,4 +1,4 @@
-"""Cross-datacenter bandwidth (algorithm.md section 9): the published pair under its stated
+"""Cross-datacenter bandwidth (docs/algorithm.md section 9): the published pair under its stated
 assumptions, the byte counts against the wire format, and goodput on a given link."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Unit tests for algorithm/fragments.py (algorithm.md section 3)."""
+"""Unit tests for algorithm/fragments.py (docs/algorithm.md section 3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Goodput and uptime accounting (algorithm.md section 9), against hand-computed numbers."""
+"""Goodput and uptime accounting (docs/algorithm.md section 9), against hand-computed numbers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The goodput simulator at scale (algorithm.md section 10): closed forms, the published
+"""The goodput simulator at scale (docs/algorithm.md section 10): closed forms, the published
 anchors, monotonicity, and that the decoupled system really drives the synchronizer's
 RoundBook."""
 

@@ -55,7 +55,7 @@ def test_the_steps_since_the_last_offer_move_onto_the_new_version(setup: Setup, 
     _train(core, 3)  # unsent: three steps past the offer
     before = {k: np.asarray(core.params[k], np.float32) for k in theta}
     g = _publish(core, p, 1, 0.5)
-    alpha = core.cfg.diloco.mixing_alpha  # without keeping: the mix of algorithm.md section 4
+    alpha = core.cfg.diloco.mixing_alpha  # without keeping: the mix of docs/algorithm.md section 4
     for k in theta:
         expected = g[k] + (before[k] - theta[k]) if keep else alpha * before[k] + (1 - alpha) * g[k]
         np.testing.assert_allclose(np.asarray(core.params[k]), expected, rtol=1e-6, atol=1e-6)

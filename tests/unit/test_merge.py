@@ -1,4 +1,4 @@
-"""Unit tests for algorithm/merge.py (algorithm.md section 6), pinned to hand-computed values."""
+"""Unit tests for algorithm/merge.py (docs/algorithm.md section 6), against hand-computed values."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A synchronizer outage in the in-process run (algorithm.md section 7, `diloco.accelerate`):
+"""A synchronizer outage in the in-process run (docs/algorithm.md section 7, `diloco.accelerate`):
 learners train through it, and their first offers after it carry the whole outage's work.
 Taken through the outer momentum as a whole, that work carried G far past it; taken as one
 sync window's worth, the rest applied as it is, the run ends as well as the fault-free one."""
@@ -19,7 +19,7 @@ OUTAGE = (5.0, 13.0)
 
 def _overwriting() -> dict:
     """The chaos suite's config, with learners that overwrite their values with each new
-    version (algorithm.md section 4). With the default mix (alpha 0.25) the whole outage's work
+    version (docs/algorithm.md section 4). With the default mix (alpha 0.25) the whole outage's work
     taken through the momentum did no harm here (1.794 against 1.827 taken as one window;
     fault-free 1.866), so the rule is pinned where it matters."""
     tree = chaos_tree(BUDGET, [])

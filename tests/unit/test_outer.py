@@ -1,4 +1,4 @@
-"""Unit tests for algorithm/outer.py (algorithm.md section 6), pinned to hand-computed values."""
+"""Unit tests for algorithm/outer.py (docs/algorithm.md section 6), against hand-computed values."""
 
 from __future__ import annotations
 

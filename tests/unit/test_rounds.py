@@ -1,4 +1,4 @@
-"""The round state machine (algorithm.md sections 5 and 7) on a hand-driven clock."""
+"""The round state machine (docs/algorithm.md sections 5 and 7) on a hand-driven clock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The in-process reference run and the two cores it drives (algorithm.md sections 4-8)."""
+"""The in-process reference run and the two cores it drives (docs/algorithm.md sections 4-8)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ while training goes on: a synchronizer being restarted never stops a learner); a
 the learner (the budget is spent) or ask it to register again with that shard (it restarted
 and no longer knows it): the learner states what it holds (data, cursor, the newest version of
 each fragment), hands the shard the values it asks for (`wanted`): the shard recovers its
-newest global values from the learners (algorithm.md section 7, docs/contracts.md), and adopts
+newest global values from the learners (docs/algorithm.md section 7, docs/contracts.md), and adopts
 the shard's snapshot.
 
 `offer` hands each contribution to a sender thread that holds it for the emulated upstream
