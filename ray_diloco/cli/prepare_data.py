@@ -30,6 +30,13 @@ def prepare_data_main(argv: list[str]) -> int:
         raise ValueError(f"--heldout-fraction {args.heldout_fraction}: use a value in (0, 0.5)")
     if args.vocab_size < 260:
         raise ValueError(f"--vocab-size {args.vocab_size}: a byte-level BPE needs >= 260")
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "prepare-data needs the tokenizers package, an optional extra: "
+            "pip install 'ray_diloco[data]'"
+        ) from None
     check_output_dir(args.out, "--out")  # before the tokenizing, which takes a while
     from ray_diloco.tasks.prepare import prepare
 

@@ -12,7 +12,6 @@ import types
 import typing
 from typing import Any, Literal
 
-import annotated_types
 import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -20,12 +19,8 @@ from pydantic.fields import FieldInfo
 from ray_diloco.config.schema import RunConfig
 
 REQUIRED = "REQUIRED"
-_BOUNDS = (
-    (annotated_types.Gt, "gt", ">"),
-    (annotated_types.Ge, "ge", ">="),
-    (annotated_types.Lt, "lt", "<"),
-    (annotated_types.Le, "le", "<="),
-)
+# pydantic keeps a field's bounds as metadata objects with one of these attributes
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 
 
 def describe_config(cfg: RunConfig | None = None) -> str:
@@ -99,8 +94,8 @@ def _default(field: FieldInfo) -> Any:
 def _note(field: FieldInfo) -> str:
     parts = [_type_name(field.annotation)]
     for meta in field.metadata:
-        for kind, attr, sign in _BOUNDS:
-            if isinstance(meta, kind):
+        for attr, sign in _BOUNDS:
+            if getattr(meta, attr, None) is not None:
                 parts.append(f"{sign} {getattr(meta, attr)}")
         pattern = getattr(meta, "pattern", None)
         if pattern:
