@@ -34,8 +34,7 @@ COMMANDS = {
             "--set diloco.quorum_min=2",
             "ray-diloco train --config jobs/local.yaml --set chaos.enabled=true "
             "--set chaos.mtbf_s=30",
-            "RAY_AUTH_MODE=token ray-diloco train --address 127.0.0.1:6379 "
-            "--config jobs/cluster-gke.yaml",
+            "ray-diloco train --config jobs/local.yaml --address auto   # a Ray already running",
         ),
     ),
     "simulate": Command(
@@ -56,8 +55,7 @@ COMMANDS = {
         "is a problem.",
         (
             "ray-diloco plan --config jobs/cluster-gke.yaml",
-            "ray-diloco plan --config jobs/cluster-v5p-v6e.yaml "
-            "--cluster cluster_configs/gcp/us-east5.yaml",
+            "ray-diloco plan --config jobs/cluster-v5p-v6e.yaml",
         ),
     ),
     "report": Command(
