@@ -18,6 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ray_diloco.cli.help import parser
 from ray_diloco.config import (
     ConfigError,
     add_config_args,
@@ -30,11 +31,7 @@ from ray_diloco.sim.bandwidth_sim import PRESETS, format_table, plot, rows
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ray-diloco simulate-bandwidth",
-        description="WAN bandwidth data-parallel and Decoupled DiLoCo need across datacenters, "
-        "and the goodput each gets on given links.",
-    )
+    p = parser("simulate-bandwidth")
     add_config_args(
         p, "YAML run config; its bandwidth_sim section is used", "bandwidth_sim.step_time_s=3"
     )

@@ -1,21 +1,6 @@
-"""Layer: cli. The `ray-diloco` command.
-
-  ray-diloco train --config jobs/local.yaml [--set a.b=c ...]       run on Ray (embedded or
-                                                                       RAY_ADDRESS)
-  ray-diloco report RUN_DIR                                         report.html and pictures
-                                                                       of a run, finished or not
-  ray-diloco simulate --config jobs/local.yaml [--set ...]          in-process reference run
-  ray-diloco simulate-goodput [--chips N --learners M --sweep ...]  goodput at scale
-  ray-diloco prepare-data --input 'texts/**/*.txt' --out DIR        token files for token_lm
-  ray-diloco scale RUN_DIR --add 'name=x,...' | --remove NAME       learners join/leave a run
-  ray-diloco simulate-bandwidth [--datacenters D --links G ...]     WAN bandwidth needed
-  ray-diloco plan --config jobs/cluster-gke.yaml [--cluster FILE ...] dry run on a real cluster:
-                                                                       placement, link loads,
-                                                                       memory per chip,
-                                                                       problems (exit 1 if any)
-
-Printing to the terminal happens here (and in the progress display) only.
-"""
+"""Layer: cli. The `ray-diloco` command: its subcommands parse, validate and hand over to the
+runtime, the simulators or the plan. What each says in --help is in cli/help.py. Printing to the
+terminal happens here (and in the progress display) only."""
 
 from __future__ import annotations
 
@@ -25,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from ray_diloco.cli.help import COMMANDS, add_command, version
 from ray_diloco.config import ConfigError, add_config_args, check_output_dir, load_config
 from ray_diloco.observe.log import setup_logging
 from ray_diloco.observe.report import summary_table
@@ -91,6 +77,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1 if result.problems else 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from ray_diloco.config.describe import describe_config
+
+    sys.stdout.write(describe_config(load_config(args.config, args.overrides)))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from ray_diloco.observe.record import ReportError
     from ray_diloco.observe.run_report import write_report
@@ -109,8 +102,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 OWN_PARSERS = {
     "simulate-goodput": "ray_diloco.cli.goodput:simulate_goodput_main",
     "simulate-bandwidth": "ray_diloco.cli.bandwidth:simulate_bandwidth_main",
-    "prepare-data": "ray_diloco.tasks.prepare:main",
-    "scale": "ray_diloco.runtime.scale:main",
+    "prepare-data": "ray_diloco.cli.prepare_data:prepare_data_main",
+    "scale": "ray_diloco.cli.scale:scale_main",
 }
 
 
@@ -123,9 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    parser = argparse.ArgumentParser(prog="ray-diloco", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train on Ray (embedded local Ray or RAY_ADDRESS)")
+    parser = argparse.ArgumentParser(
+        prog="ray-diloco",
+        description="Decoupled DiLoCo on Ray: elastic, low-communication training of JAX\n"
+        "models over learners that fail, lag, join and leave.",
+        epilog="examples:\n"
+        + "\n".join(f"  {c.examples[0]}" for c in COMMANDS.values())
+        + "\n\n`ray-diloco COMMAND --help` describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = add_command(sub, "train")
     _add_config_args(train)
     train.add_argument(
         "--address",
@@ -150,20 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="when stdout is not a terminal: one progress line every SECONDS (default 10)",
     )
-    report = sub.add_parser("report", help="write report.html and pictures of a run dir")
+    report = add_command(sub, "report")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a train run")
     report.add_argument("--log-level", default="WARNING")
-    simulate = sub.add_parser("simulate", help="in-process reference run on a virtual clock")
+    simulate = add_command(sub, "simulate")
     _add_config_args(simulate)
-    sub.add_parser("simulate-goodput", help="goodput simulation at scale (see --help)")
-    sub.add_parser("prepare-data", help="tokenize text files for the token_lm task (see --help)")
-    sub.add_parser("scale", help="add or remove learners of a running job (see --help)")
-    sub.add_parser("simulate-bandwidth", help="WAN bandwidth across datacenters (see --help)")
-    plan = sub.add_parser(
-        "plan",
-        help="dry run on a real cluster: placement, link loads, memory per chip, problems; "
-        "starts nothing",
-    )
+    config = add_command(sub, "config")
+    _add_config_args(config)
+    for name in OWN_PARSERS:  # listed here; they parse their own arguments
+        add_command(sub, name)
+    plan = add_command(sub, "plan")
     _add_config_args(plan)
     plan.add_argument(
         "--cluster",
@@ -180,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": cmd_simulate,
         "plan": cmd_plan,
         "report": cmd_report,
+        "config": cmd_config,
     }
     try:
         return commands[args.command](args)

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ray_diloco.cli.help import parser
 from ray_diloco.config import (
     ConfigError,
     RunConfig,
@@ -43,11 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ray-diloco simulate-goodput",
-        description="Goodput and uptime of data-parallel, elastic data-parallel and Decoupled "
-        "DiLoCo on one simulated failure trace.",
-    )
+    p = parser("simulate-goodput")
     add_config_args(
         p, "YAML run config; its goodput_sim section is used", "goodput_sim.recovery=pareto"
     )

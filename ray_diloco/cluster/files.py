@@ -7,8 +7,9 @@ may name several files: the pieces of one Ray cluster (a `ray up` head and a sli
 region that joins it). Each becomes a `ClusterSpec`: where the Ray head is (region, CPUs,
 memory), which TPU slices the cluster can have (shape from `slices.py`, region, how many) and
 the problems seen in the files themselves (a shape no learner can use, a node without a region
-label, the dashboard open to the network, authentication off). A file that cannot be read as
-either format raises `ClusterFileError`.
+label, a TPU container without the port and env KubeRay's TPU samples give it, the dashboard open
+to the network, authentication off). A file that cannot be read as either format raises
+`ClusterFileError`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ GKE_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 GKE_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 GKE_MACHINE_LABEL = "node.kubernetes.io/instance-type"
 GKE_TPU_RESOURCE = "google.com/tpu"
+# What every KubeRay TPU sample gives a TPU worker container: the TPU runtime's port (named mxla)
+# and, for a v6e slice over several hosts, JAX on the TPU and host CPU with libtpu in PJRT
+# compatibility mode.
+TPU_PORT, TPU_PORT_NAME = 8081, "mxla"
+MULTIHOST_V6E_ENV = {"JAX_PLATFORMS": "tpu,cpu", "ENABLE_PJRT_COMPATIBILITY": "true"}
 LOCAL_DASHBOARD_HOSTS = ("127.0.0.1", "localhost")
 # GiB per vCPU of the GCE machine families a head may use (n2-standard-16: 64 GiB).
 _GIB_PER_VCPU = {"standard": 4, "highmem": 8, "highcpu": 1}
@@ -318,6 +324,7 @@ class _KubeRay:
                 f"{self.source}: {what}: {GKE_TPU_RESOURCE}={chips} per pod, but {accel} "
                 f"{shape.topology} on {hosts} host(s) has {shape.chips_per_host} chips per host"
             )
+        self._check_tpu_container(what, container, env, shape)
         machine = selector.get(GKE_MACHINE_LABEL)
         if machine is not None and machine != shape.gke_machine_type:
             self.problems.append(
@@ -332,6 +339,25 @@ class _KubeRay:
             int(group.get("maxReplicas", group.get("replicas", 1))),
             _quantity(limits.get("cpu")),
         )
+
+    def _check_tpu_container(
+        self, what: str, container: Mapping[str, Any], env: Mapping[str, str], shape: SliceShape
+    ) -> None:
+        ports = container.get("ports") or []
+        if not any(isinstance(p, Mapping) and p.get("containerPort") == TPU_PORT for p in ports):
+            self.problems.append(
+                f"{self.source}: {what}: the container exposes no containerPort {TPU_PORT}, the "
+                "TPU runtime's port in KubeRay's TPU samples; add ports: "
+                f"[{{containerPort: {TPU_PORT}, name: {TPU_PORT_NAME}}}]"
+            )
+        if shape.accelerator == "tpu-v6e" and shape.num_hosts > 1:
+            wrong = {k: v for k, v in MULTIHOST_V6E_ENV.items() if env.get(k) != v}
+            if wrong:
+                self.problems.append(
+                    f"{self.source}: {what}: a multi-host v6e slice needs "
+                    + ", ".join(f"{k}={v}" for k, v in wrong.items())
+                    + " in the container's env; add them"
+                )
 
 
 def _container(group: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:

@@ -6,9 +6,11 @@ As Ray builds its own dashboards (`ray/dashboard/modules/metrics/dashboards`: `P
 
     python -m ray_diloco.observe.grafana   # rewrite the JSON (a unit test checks it is current)
 
-Every query filters on the run's name (`run`, a dashboard variable) and uses the datasource
-variable `${datasource}` as Ray's dashboards do, so the file loads next to them in the Grafana
-that Ray provisions (docs/observability.md).
+Every query filters on the run's name (`run`, a multi-select dashboard variable), keeps the
+`run` label through its aggregation and names the run in its legend, so several runs on one
+panel stay apart; rates use Grafana's `$__rate_interval`; a panel's queries share one unit. The
+datasource is the variable `${datasource}`, as in Ray's dashboards, so the file loads next to
+them in the Grafana that Ray provisions (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -23,61 +25,82 @@ from typing import Any
 OUT = Path(__file__).resolve().parents[1] / "monitoring" / "grafana" / "ray_diloco.json"
 UID = "rayDilocoDashboard"
 RUN = 'run=~"$run"'
+# Grafana's own rate window: at least four scrape intervals, growing with the time range.
+WINDOW = "$__rate_interval"
+PERCENT, LOSS, TOKENS_PER_S = "percentunit", "none", "count:tokens/s"
 SERIES = re.compile(r"\bray_diloco_[a-z_]+\b")
 
 
 @dataclass(frozen=True)
 class Target:
     expr: str
-    legend: str
+    legend: str  # names the run ({{run}}): the run variable is multi-select
+    unit: str  # Grafana's unit id of what the query measures
 
 
 @dataclass(frozen=True)
 class Panel:
     title: str
     description: str
-    unit: str
     targets: list[Target]
     kind: str = "timeseries"  # or "stat"
     width: int = 12
     height: int = 8
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def unit(self) -> str:
+        """The one unit of the panel's axis; a panel never mixes two."""
+        units = {t.unit for t in self.targets}
+        if len(units) != 1:
+            raise ValueError(f"panel {self.title!r} mixes units {sorted(units)} on one axis")
+        return units.pop()
 
-def _rate(series: str, by: str = "") -> str:
-    group = f" by ({by})" if by else ""
-    return f"sum{group}(rate({series}{{{RUN}}}[$window]))"
+
+def _by(*labels: str) -> str:
+    """The labels a query keeps: always the run's, so the legend can name it."""
+    return ", ".join(("run", *labels))
 
 
-def _mean(histogram: str, by: str = "") -> str:
+def _rate(series: str, *by: str) -> str:
+    return f"sum by ({_by(*by)})(rate({series}{{{RUN}}}[{WINDOW}]))"
+
+
+def _mean(histogram: str, *by: str) -> str:
     """Mean observation over the window: rate of the sum over rate of the count."""
-    return f"{_rate(histogram + '_sum', by)} / {_rate(histogram + '_count', by)}"
+    return f"{_rate(histogram + '_sum', *by)} / {_rate(histogram + '_count', *by)}"
 
 
-def _quantile(q: float, histogram: str, by: str = "") -> str:
-    keys = ", ".join(k for k in ("le", by) if k)
-    return f"histogram_quantile({q}, {_rate(histogram + '_bucket', keys)})"
+def _quantile(q: float, histogram: str, *by: str) -> str:
+    return f"histogram_quantile({q}, {_rate(histogram + '_bucket', 'le', *by)})"
 
 
 def _cumulative_mean(histogram: str, by: str) -> str:
     """Mean over the whole run: failures are rare, a rate window would mostly show nothing."""
-    return f"sum by ({by})({histogram}_sum{{{RUN}}}) / sum by ({by})({histogram}_count{{{RUN}}})"
+    keys = _by(by)
+    return (
+        f"sum by ({keys})({histogram}_sum{{{RUN}}}) / sum by ({keys})({histogram}_count{{{RUN}}})"
+    )
 
 
 PANELS = [
     Panel(
         "Learners up",
         "Learners compiling, training or waiting for fragments (the supervisor's view).",
-        "none",
-        [Target(f"sum(ray_diloco_learner_up{{{RUN}}})", "learners up")],
+        [Target(f"sum by ({_by()})(ray_diloco_learner_up{{{RUN}}})", "{{run}}", "none")],
         kind="stat",
         width=4,
     ),
     Panel(
         "Learner up (1) or down (0)",
         "Which learner is down, and since when.",
-        "none",
-        [Target(f"max by (learner)(ray_diloco_learner_up{{{RUN}}})", "{{learner}}")],
+        [
+            Target(
+                f"max by ({_by('learner')})(ray_diloco_learner_up{{{RUN}}})",
+                "{{run}} {{learner}}",
+                "none",
+            )
+        ],
         width=8,
         options={"min": 0, "max": 1},
     ),
@@ -85,88 +108,122 @@ PANELS = [
         "Goodput and uptime",
         "Goodput: productive over allocated learner time so far. Uptime: share of the run in "
         "which the global model advanced (a round closed).",
-        "percentunit",
         [
-            Target(f"ray_diloco_goodput{{{RUN}}}", "goodput"),
-            Target(f"ray_diloco_uptime{{{RUN}}}", "uptime"),
+            Target(f"max by ({_by()})(ray_diloco_goodput{{{RUN}}})", "{{run}} goodput", PERCENT),
+            Target(f"max by ({_by()})(ray_diloco_uptime{{{RUN}}})", "{{run}} uptime", PERCENT),
         ],
         options={"min": 0, "max": 1},
     ),
     Panel(
         "Loss",
         "Held-out loss of the global parameters and each learner's training loss.",
-        "none",
         [
-            Target(f"ray_diloco_heldout_loss{{{RUN}}}", "held-out (global)"),
-            Target(f"max by (learner)(ray_diloco_training_loss{{{RUN}}})", "train {{learner}}"),
+            Target(
+                f"max by ({_by()})(ray_diloco_heldout_loss{{{RUN}}})",
+                "{{run}} held-out (global)",
+                LOSS,
+            ),
+            Target(
+                f"max by ({_by('learner')})(ray_diloco_training_loss{{{RUN}}})",
+                "{{run}} train {{learner}}",
+                LOSS,
+            ),
         ],
     ),
     Panel(
         "Tokens per second",
         "Training tokens consumed per second, in all and per learner.",
-        "none",
         [
-            Target(_rate("ray_diloco_tokens_total"), "all learners"),
-            Target(_rate("ray_diloco_tokens_total", "learner"), "{{learner}}"),
-        ],
-    ),
-    Panel(
-        "Rounds per minute and contributors per round",
-        "Outer rounds closed per minute (all fragments), contributions merged per round, and "
-        "the share of merged contributions whose base was an older version (stale).",
-        "none",
-        [
-            Target("60 * " + _rate("ray_diloco_outer_rounds_total"), "rounds per minute"),
-            Target(_mean("ray_diloco_contributors_per_round"), "contributors per round"),
+            Target(_rate("ray_diloco_tokens_total"), "{{run}} all learners", TOKENS_PER_S),
             Target(
-                f'1 - sum(rate(ray_diloco_staleness_versions_bucket{{{RUN}, le="0.5"}}[$window]))'
-                f" / {_rate('ray_diloco_staleness_versions_count')}",
-                "share of contributions on an older version",
+                _rate("ray_diloco_tokens_total", "learner"), "{{run}} {{learner}}", TOKENS_PER_S
             ),
         ],
     ),
     Panel(
+        "Outer rounds per minute",
+        "Outer rounds closed per minute, all fragments together.",
+        [
+            Target(
+                "60 * " + _rate("ray_diloco_outer_rounds_total"),
+                "{{run}}",
+                "count:rounds/min",
+            )
+        ],
+        width=8,
+    ),
+    Panel(
+        "Contributors per round",
+        "Contributions merged per round, on average over the window.",
+        [
+            Target(
+                _mean("ray_diloco_contributors_per_round"),
+                "{{run}}",
+                "count:contributors",
+            )
+        ],
+        width=8,
+    ),
+    Panel(
+        "Stale contributions",
+        "Share of the merged contributions whose base was an older version of the fragment.",
+        [
+            Target(
+                f"1 - sum by ({_by()})(rate(ray_diloco_staleness_versions_bucket"
+                f'{{{RUN}, le="0.5"}}[{WINDOW}])) / {_rate("ray_diloco_staleness_versions_count")}',
+                "{{run}}",
+                PERCENT,
+            )
+        ],
+        width=8,
+        options={"min": 0, "max": 1},
+    ),
+    Panel(
         "Grace windows",
         "Grace window a round allowed after reaching quorum.",
-        "s",
         [
-            Target(_quantile(0.5, "ray_diloco_grace_window_seconds"), "p50"),
-            Target(_quantile(0.9, "ray_diloco_grace_window_seconds"), "p90"),
+            Target(_quantile(0.5, "ray_diloco_grace_window_seconds"), "{{run}} p50", "s"),
+            Target(_quantile(0.9, "ray_diloco_grace_window_seconds"), "{{run}} p90", "s"),
         ],
     ),
     Panel(
         "Rejected contributions",
-        "Contributions refused in the window, by reason (stale, non-finite, norm outlier, "
+        "Contributions refused per minute, by reason (stale, non-finite, norm outlier, "
         "fenced incarnation, ...).",
-        "none",
         [
             Target(
-                f"sum by (reason)(increase(ray_diloco_contributions_rejected_total{{{RUN}}}"
-                "[$window]))",
-                "{{reason}}",
+                "60 * " + _rate("ray_diloco_contributions_rejected_total", "reason"),
+                "{{run}} {{reason}}",
+                "count:rejected/min",
             )
         ],
     ),
     Panel(
         "Restarts by failure kind",
         "Learner restarts since the run started, by the failure that caused them.",
-        "none",
-        [Target(f"sum by (failure)(ray_diloco_learner_restarts_total{{{RUN}}})", "{{failure}}")],
+        [
+            Target(
+                f"sum by ({_by('failure')})(ray_diloco_learner_restarts_total{{{RUN}}})",
+                "{{run}} {{failure}}",
+                "count:restarts",
+            )
+        ],
     ),
     Panel(
         "Detection and recovery",
         "Mean seconds from a failure to its detection, and from detection until the "
         "restarted learner contributed again, by failure kind, over the run (Ray exports "
         "histogram sums from bucket midpoints: within about 20%).",
-        "s",
         [
             Target(
                 _cumulative_mean("ray_diloco_detection_seconds", "failure"),
-                "detection {{failure}}",
+                "{{run}} detection {{failure}}",
+                "s",
             ),
             Target(
                 _cumulative_mean("ray_diloco_recovery_seconds", "failure"),
-                "recovery {{failure}}",
+                "{{run}} recovery {{failure}}",
+                "s",
             ),
         ],
     ),
@@ -174,34 +231,43 @@ PANELS = [
         "Link bytes per second",
         "Bytes per second between each learner and the synchronizer: contributions up, "
         "published fragments down.",
-        "Bps",
         [
             Target(
-                _rate("ray_diloco_link_bytes_total", "learner, region, direction"),
-                "{{learner}} ({{region}}) {{direction}}",
+                _rate("ray_diloco_link_bytes_total", "learner", "region", "direction"),
+                "{{run}} {{learner}} ({{region}}) {{direction}}",
+                "Bps",
             )
         ],
     ),
     Panel(
         "Inner step time",
         "Median wall time of one inner step, per learner.",
-        "s",
-        [Target(_quantile(0.5, "ray_diloco_inner_step_seconds", "learner"), "{{learner}}")],
+        [
+            Target(
+                _quantile(0.5, "ray_diloco_inner_step_seconds", "learner"),
+                "{{run}} {{learner}}",
+                "s",
+            )
+        ],
     ),
     Panel(
         "Synchronizer merge time",
         "Wall time of one merge and outer step.",
-        "s",
         [
-            Target(_quantile(0.5, "ray_diloco_merge_seconds"), "p50"),
-            Target(_quantile(0.9, "ray_diloco_merge_seconds"), "p90"),
+            Target(_quantile(0.5, "ray_diloco_merge_seconds"), "{{run}} p50", "s"),
+            Target(_quantile(0.9, "ray_diloco_merge_seconds"), "{{run}} p90", "s"),
         ],
     ),
     Panel(
         "Synchronizer memory",
         "Resident memory of the synchronizer process.",
-        "bytes",
-        [Target(f"max(ray_diloco_synchronizer_memory_bytes{{{RUN}}})", "resident")],
+        [
+            Target(
+                f"max by ({_by()})(ray_diloco_synchronizer_memory_bytes{{{RUN}}})",
+                "{{run}} resident",
+                "bytes",
+            )
+        ],
     ),
 ]
 
@@ -274,13 +340,6 @@ def _variables() -> list[dict[str, Any]]:
             "includeAll": True,
             "multi": True,
             "allValue": ".*",
-        },
-        {
-            "name": "window",
-            "label": "Rate window",
-            "type": "custom",
-            "query": "30s,1m,5m,15m",
-            "current": {"text": "1m", "value": "1m"},
         },
     ]
 

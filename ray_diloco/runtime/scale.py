@@ -1,8 +1,5 @@
-"""Layer: runtime (Ray shell). `ray-diloco scale RUN_DIR`: learners join and leave a running job.
-
-    ray-diloco scale runs/local --add 'name=eu-2,region=eu-west,batch_size=32'
-    ray-diloco scale runs/local --remove eu-2
-    ray-diloco scale runs/local --list
+"""Layer: runtime (Ray shell). What `ray-diloco scale RUN_DIR` does (its parser:
+cli/scale.py): learners join and leave a running job.
 
 The run dir's config.json names the run's supervisor; the command connects to the cluster
 (`--address`, else RAY_ADDRESS, else the newest Ray on this machine, which is where an
@@ -13,7 +10,6 @@ pool; a leaving one offers its unsent work first and gives its unread data back.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -39,47 +35,42 @@ def parse_spec(text: str) -> dict[str, Any]:
     return spec
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ray-diloco scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", help="the running job's run_dir (holds config.json)")
-    p.add_argument("--add", action="append", default=[], metavar="SPEC", help="learner to add")
-    p.add_argument("--remove", action="append", default=[], metavar="NAME")
-    p.add_argument("--list", action="store_true", help="print the learners and their states")
-    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS/auto)")
-    args = p.parse_args(argv)
-    config = Path(args.run_dir) / "config.json"
+def scale(run_dir: str, add: list[str], remove: list[str], show: bool, address: str | None) -> int:
+    """Add the learners of the `add` specs, remove the `remove` names, then print the learners
+    and their states when `show` or when nothing was asked."""
+    config = Path(run_dir) / "config.json"
     if not config.is_file():
         raise ConfigError(f"{config} not found; give the run_dir of a running job")
     try:
         cfg = build_config(json.loads(config.read_text()), str(config))
     except json.JSONDecodeError as err:
         raise ConfigError(f"{config}: not a run config ({err})") from None
-    specs = [parse_spec(s) for s in args.add]
+    specs = [parse_spec(s) for s in add]
     import ray
 
     from ray_diloco.runtime.connect import connect
     from ray_diloco.runtime.supervisor.actor import supervisor_name
 
-    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
     connect(address, cfg.synchronizer.namespace, log_to_driver=False)
     name = supervisor_name(cfg)
     try:
         sup: Any = ray.get_actor(name, namespace=cfg.synchronizer.namespace)
     except ValueError:
         raise ConfigError(
-            f"{args.run_dir}: no running job (its supervisor {name!r} is not in namespace "
+            f"{run_dir}: no running job (its supervisor {name!r} is not in namespace "
             f"{cfg.synchronizer.namespace!r} at {address})"
         ) from None
     try:
         for spec in specs:
             joined: str = ray.get(sup.add_learner.remote(spec), timeout=60)
             print(f"learner {joined} joins the run")
-        for learner in args.remove:
+        for learner in remove:
             ray.get(sup.remove_learner.remote(learner), timeout=60)
             print(f"learner {learner} leaves the run (gracefully)")
     except ray.exceptions.RayTaskError as err:
         raise ConfigError(str(err.cause) if err.cause else str(err)) from None
-    if args.list or not (specs or args.remove):
+    if show or not (specs or remove):
         status: SupervisorStatus = ray.get(sup.status.remote(), timeout=60)
         for learner, row in sorted(status.learners.items()):
             print(f"{learner:16s} {row.state.value:10s} incarnation {row.incarnation}")

@@ -14,6 +14,7 @@ import functools
 import glob
 import logging
 import os
+import posixpath
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from ray_diloco.tasks import storage
 
 log = logging.getLogger(__name__)
 
@@ -89,50 +92,75 @@ def _pattern_base(pattern: str) -> str:
 
 
 def expand_paths(paths: tuple[str, ...], field: str = "data.paths") -> list[tuple[str, str]]:
-    """(relpath, abspath) of every file the glob patterns match, in order, without
-    duplicates; relpaths are taken from each pattern's fixed leading directories. Errors name
-    `field` (the config field or command-line option the patterns came from)."""
+    """(relpath, location) of every file the glob patterns match, in order, without
+    duplicates; relpaths are taken from each pattern's fixed leading directories. A pattern is
+    a local path or an fsspec URL (`gs://bucket/texts/**/*.txt`); its files are named by URL.
+    Errors name `field` (the config field or command-line option the patterns came from)."""
     files: list[tuple[str, str]] = []
     seen: set[str] = set()
     for pattern in paths:
-        pattern = os.path.expanduser(pattern)
-        if os.path.isdir(pattern):
-            raise ValueError(
-                f"{field}: {pattern!r} is a directory; give files or a glob pattern such as "
-                f"'{pattern.rstrip('/')}/**/*.txt'"
-            )
-        matches = sorted(m for m in glob.glob(pattern, recursive=True) if not os.path.isdir(m))
-        if not matches:
-            raise ValueError(
-                f"{field}: {pattern!r} matches no file (cwd {os.getcwd()}); fix the path or "
-                "glob pattern (use '**' for recursion)"
-            )
-        base = _pattern_base(pattern)
-        for m in matches:
-            full = os.path.abspath(m)
+        found = _expand_url(pattern, field) if storage.is_url(pattern) else _expand(pattern, field)
+        for rel, full in found:
             if full not in seen:
                 seen.add(full)
-                files.append((os.path.relpath(m, base).replace(os.sep, "/"), full))
+                files.append((rel, full))
     return files
+
+
+def _expand(pattern: str, field: str) -> list[tuple[str, str]]:
+    pattern = os.path.expanduser(pattern)
+    if os.path.isdir(pattern):
+        raise ValueError(
+            f"{field}: {pattern!r} is a directory; give files or a glob pattern such as "
+            f"'{pattern.rstrip('/')}/**/*.txt'"
+        )
+    matches = sorted(m for m in glob.glob(pattern, recursive=True) if not os.path.isdir(m))
+    if not matches:
+        raise ValueError(
+            f"{field}: {pattern!r} matches no file (cwd {os.getcwd()}); fix the path or "
+            "glob pattern (use '**' for recursion)"
+        )
+    base = _pattern_base(pattern)
+    return [(os.path.relpath(m, base).replace(os.sep, "/"), os.path.abspath(m)) for m in matches]
+
+
+def _expand_url(url: str, field: str) -> list[tuple[str, str]]:
+    fs, pattern = storage.filesystem(url, field)
+    try:
+        if not glob.has_magic(pattern) and fs.isdir(pattern):
+            raise ValueError(
+                f"{field}: {url!r} is a directory; give files or a glob pattern such as "
+                f"'{url.rstrip('/')}/**/*.txt'"
+            )
+        found = fs.glob(pattern, detail=True)
+    except OSError as err:
+        raise ValueError(f"{field}: cannot list {url!r} ({err})") from None
+    matches = sorted(path for path, info in found.items() if info.get("type") != "directory")
+    if not matches:
+        raise ValueError(f"{field}: {url!r} matches no file; fix the URL or glob pattern")
+    base = _pattern_base(pattern)
+    return [(posixpath.relpath(m, base), fs.unstrip_protocol(m)) for m in matches]
 
 
 def read_documents(
     files: list[tuple[str, str]], max_bytes: int, field: str = "data.paths"
 ) -> list[tuple[str, bytes]]:
-    """Read files in order until `max_bytes` (separators included) are collected."""
+    """Read files (paths or URLs) in order until `max_bytes` (separators included) are
+    collected."""
     docs: list[tuple[str, bytes]] = []
     total = 0
     for rel, full in files:
         room = max_bytes - total - 1  # leave room for this document's separator
         if room <= 0:
             break
+        fs, path = storage.filesystem(full, field)
         try:
-            with open(full, "rb") as fh:
-                data = fh.read(min(room, os.fstat(fh.fileno()).st_size))
+            with fs.open(path, "rb") as fh:
+                data = fh.read(min(room, fs.size(path)))
         except OSError as err:
             raise ValueError(
-                f"{field}: cannot read {full!r} ({err.strerror}); fix its permissions or "
-                f"remove it from {field}"
+                f"{field}: cannot read {full!r} ({err.strerror or err}); fix its permissions "
+                f"or remove it from {field}"
             ) from err
         docs.append((rel, data))
         total += len(data) + 1

@@ -1,5 +1,6 @@
-"""Layer: tasks (pure, no Ray). `ray-diloco prepare-data`: text files to the token files of
-`token_lm` (tasks/token_files.py), with a real tokenizer.
+"""Layer: tasks (pure, no Ray). What `ray-diloco prepare-data` does (its parser:
+cli/prepare_data.py): text files to the token files of `token_lm` (tasks/token_files.py), with
+a real tokenizer.
 
 The tokenizer library is Hugging Face `tokenizers`: it runs offline (a byte-level BPE is
 trained on the training files in seconds, or a `tokenizer.json` the user already has is
@@ -13,15 +14,12 @@ ids are stored as uint16 when the vocabulary fits, else uint32.
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ray_diloco.config import check_output_dir, whole_number
 from ray_diloco.tasks.byte_corpus import expand_paths, is_heldout, read_documents
 from ray_diloco.tasks.token_files import HELDOUT, META, TRAIN
 
@@ -113,30 +111,3 @@ def prepare(
     }
     (root / META).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="ray-diloco prepare-data",
-        description="Tokenize text files into token files for ray_diloco.tasks.token_lm.",
-    )
-    p.add_argument("--input", action="append", required=True, help="file or glob, repeatable")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a BPE)")
-    p.add_argument("--vocab-size", type=whole_number, default=8192, help="BPE vocabulary to train")
-    p.add_argument("--heldout-fraction", type=float, default=0.02)
-    args = p.parse_args(argv)
-    if not 0 < args.heldout_fraction < 0.5:
-        raise ValueError(f"--heldout-fraction {args.heldout_fraction}: use a value in (0, 0.5)")
-    if args.vocab_size < 260:
-        raise ValueError(f"--vocab-size {args.vocab_size}: a byte-level BPE needs >= 260")
-    check_output_dir(args.out, "--out")  # before the tokenizing, which takes a while
-    t0 = time.perf_counter()
-    meta = prepare(args.input, args.out, args.tokenizer, args.vocab_size, args.heldout_fraction)
-    print(
-        f"wrote {meta['train_tokens']:,} train and {meta['heldout_tokens']:,} held-out tokens "
-        f"({meta['dtype']}, vocabulary {meta['vocab_size']:,}) from "
-        f"{meta['train_documents'] + meta['heldout_documents']} files to {args.out} in "
-        f"{time.perf_counter() - t0:.1f} s"
-    )
-    return 0

@@ -4,7 +4,8 @@ model (tasks/transformer.py) on pre-tokenized token files (tasks/token_files.py)
     ray-diloco prepare-data --input 'texts/**/*.txt' --out data/texts --vocab-size 8192
     task: ray_diloco.tasks.token_lm:make_task
     task_args:
-      data_dir: data/texts          # train.bin, val.bin (+ meta.json) on every host
+      data_dir: data/texts          # train.bin, val.bin (+ meta.json) on every host, or a
+                                    # URL: gs://bucket/tokens (copied into cache_dir once)
       model: {d_model: 256, num_layers: 6, num_heads: 8, d_ff: 1024, seq_len: 256}
 
 The model's vocabulary defaults to the files' (`meta.json`, or `vocab_size` for nanoGPT files).
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ray_diloco.task import Task
 from ray_diloco.tasks import transformer
-from ray_diloco.tasks.token_files import TokenDtype, TokenFiles
+from ray_diloco.tasks.token_files import CACHE_DIR, TokenDtype, TokenFiles
 from ray_diloco.tasks.windows import TokenWindows
 
 
@@ -28,6 +29,7 @@ class TokenLMArgs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     data_dir: str
+    cache_dir: str = CACHE_DIR  # where a remote data_dir's token files are copied to
     dtype: TokenDtype | None = None
     vocab_size: int | None = Field(None, ge=2)
     model: transformer.ModelConfig = transformer.ModelConfig()
@@ -37,7 +39,7 @@ class TokenLMArgs(BaseModel):
 
 def make_task(**task_args: Any) -> Task:
     args = TokenLMArgs.model_validate(task_args)
-    files = TokenFiles.open(args.data_dir, args.dtype, args.vocab_size)
+    files = TokenFiles.open(args.data_dir, args.dtype, args.vocab_size, args.cache_dir)
     model = args.model
     if "vocab_size" not in (task_args.get("model") or {}):
         model = model.model_copy(update={"vocab_size": files.vocab_size})

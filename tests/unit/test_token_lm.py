@@ -8,14 +8,17 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 
 from ray_diloco.config import ConfigError, load_config
 from ray_diloco.task import load_task
 from ray_diloco.tasks.prepare import prepare
+from ray_diloco.tasks.token_files import TokenFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = [
@@ -166,3 +169,57 @@ def test_prepare_data_bad_input_is_one_error_line(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert run.stderr.startswith("error: --input: ") and run.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def memory_dir(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh directory on fsspec's in-memory file system (one per process, so what is put
+    there is read back in this process only)."""
+    fs = fsspec.filesystem("memory")
+    root = f"/{request.node.name}"
+    yield f"memory://{root}"
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_token_files_load_from_an_fsspec_url_as_from_their_directory(
+    prepared: Path, memory_dir: str, tmp_path: Path
+) -> None:
+    fs = fsspec.filesystem("memory")
+    for name in ("train.bin", "val.bin", "meta.json"):
+        fs.pipe(f"{memory_dir}/{name}", (prepared / name).read_bytes())
+    args = {"model": TINY_MODEL, "cache_dir": str(tmp_path / "cache")}
+    local = load_task("ray_diloco.tasks.token_lm:make_task", {**args, "data_dir": str(prepared)})
+    for data_dir in (memory_dir, f"file://{prepared}"):
+        task = load_task("ray_diloco.tasks.token_lm:make_task", {**args, "data_dir": data_dir})
+        assert task.data.tokens_per_example == local.data.tokens_per_example
+        for x, y in zip(task.data.heldout(), local.data.heldout(), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(cached) == 3 and "cache" in cached  # the two token files, fsspec's index
+    bad = np.full(64, 65535, dtype=np.uint16).tobytes()  # ids beyond the vocabulary
+    fs.pipe(f"{memory_dir}/val.bin", bad)  # the remote file changed: fetched again
+    with pytest.raises(ValueError, match=r"val\.bin: token id 65535 >= vocab_size"):
+        TokenFiles.open(memory_dir, cache_dir=str(tmp_path / "cache"))
+
+
+def test_prepare_data_reads_its_input_from_an_fsspec_url(
+    texts: Path, memory_dir: str, tmp_path: Path
+) -> None:
+    fs = fsspec.filesystem("memory")
+    for path in sorted(texts.glob("part1/*.txt")):
+        fs.pipe(f"{memory_dir}/corpus/{path.name}", path.read_bytes())
+    remote = prepare([f"{memory_dir}/corpus/*.txt"], str(tmp_path / "remote"), vocab_size=300)
+    local = prepare([f"{texts}/part1/*.txt"], str(tmp_path / "local"), vocab_size=300)
+    assert remote["inputs"] != local["inputs"]
+    keys = ("train_tokens", "heldout_tokens", "train_documents", "heldout_documents")
+    assert {k: remote[k] for k in keys} == {k: local[k] for k in keys}  # the same split
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "remote" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    with pytest.raises(ValueError, match=r"--input: 'memory://.*/none\*\.txt' matches no file"):
+        prepare([f"{memory_dir}/none*.txt"], str(tmp_path / "none"))
+
+
+def test_an_unknown_url_scheme_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"data_dir='nosuch://bucket/tokens': .*nosuch"):
+        load_task("ray_diloco.tasks.token_lm:make_task", {"data_dir": "nosuch://bucket/tokens"})
