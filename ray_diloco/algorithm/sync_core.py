@@ -26,9 +26,10 @@ from ray_diloco.algorithm.downstream import Downstream, Message
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
+from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy, Verdict
 from ray_diloco.algorithm.rounds import RoundBook
-from ray_diloco.algorithm.sync_recovery import RecoveringCore, Recovery, Values
+from ray_diloco.algorithm.sync_recovery import Recoveries, Recovery, Values
 from ray_diloco.config import RunConfig
 
 # Refusals after which a learner of the current incarnation must adopt the newest version.
@@ -77,7 +78,7 @@ class Publication:
     sync_time_s: float
 
 
-class SynchronizerCore(RecoveringCore):
+class SynchronizerCore:
     """`fragments`: the fragments this core owns (default: all); `owns_data`: whether it hands
     out the data pool's leases (exactly one core of a run does)."""
 
@@ -123,7 +124,25 @@ class SynchronizerCore(RecoveringCore):
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.rejected_tokens = 0
-        self.recovering: dict[int, Recovery] = {}
+        self.recovery = Recoveries(plan, self.book, self.ledger, self.down)
+
+    # -- recovery after a restart (sync_recovery.py) --------------------------------------------
+
+    @property
+    def recovering(self) -> dict[int, Recovery]:
+        return self.recovery.recovering
+
+    def start_recovery(self, logged: Iterable[LoggedRound], delivered: Mapping[int, int]) -> None:
+        self.recovery.start(logged, delivered)
+
+    def wanted(self) -> dict[int, int]:
+        return self.recovery.wanted()
+
+    def provide(self, fragment: int, version: int, values: Mapping[str, Any]) -> bool:
+        return self.recovery.provide(fragment, version, values)
+
+    def finish_recovery(self, fragment: int) -> tuple[int, int]:
+        return self.recovery.finish(fragment, self.values, self.published)
 
     # -- learners -----------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Layer: algorithm (pure, no Ray). How a restarted synchronizer core loses no merged round
 (docs/algorithm.md section 7; docs/contracts.md, issue 17): a fragment with rounds past its
 checkpoint is held while the learners hand back the newest value they hold, and the round log
-replays the ledger and the round book up to it. `SynchronizerCore` (sync_core.py) carries these
-methods; they read and write its state, named below."""
+replays the ledger and the round book up to it. `SynchronizerCore` (sync_core.py) owns one
+`Recoveries`, given the plan, round book, ledger and downstream it acts on; the global values
+and publications, which a checkpoint load replaces, are passed to `finish`."""
 
 from __future__ import annotations
 
@@ -41,22 +42,20 @@ class Recovery:
         return max((e.version for e in self.logged), default=self.restored)
 
 
-class RecoveringCore:
-    """The recovery half of `SynchronizerCore`."""
+class Recoveries:
+    """The fragments of a restarted synchronizer core being recovered."""
 
-    plan: FragmentPlan
-    book: RoundBook
-    ledger: TokenLedger
-    values: dict[int, Values]
-    published: dict[int, dict[int, Values]]
-    recovering: dict[int, Recovery]
-    down: Downstream
+    def __init__(
+        self, plan: FragmentPlan, book: RoundBook, ledger: TokenLedger, down: Downstream
+    ) -> None:
+        self.plan, self.book, self.ledger, self.down = plan, book, ledger, down
+        self.recovering: dict[int, Recovery] = {}
 
-    def start_recovery(self, logged: Iterable[LoggedRound], delivered: Mapping[int, int]) -> None:
+    def start(self, logged: Iterable[LoggedRound], delivered: Mapping[int, int]) -> None:
         """After a restore: `logged` are the round log's entries, `delivered` the newest
         version of each fragment a learner received before the restart. A fragment with
         rounds past its restored version is held (no round closes, offers are refused as
-        recovering) until `finish_recovery` adopts the newest value a learner hands over
+        recovering) until `finish` adopts the newest value a learner hands over
         (`provide`), or the restored one."""
         entries = sorted(logged, key=lambda e: e.version)
         for p, frag in self.book.fragments.items():
@@ -82,7 +81,12 @@ class RecoveringCore:
         r.found = (version, {k: np.asarray(values[k], np.float32) for k in paths})
         return version == r.newest
 
-    def finish_recovery(self, fragment: int) -> tuple[int, int]:
+    def finish(
+        self,
+        fragment: int,
+        values: dict[int, Values],
+        published: dict[int, dict[int, Values]],
+    ) -> tuple[int, int]:
         """Adopt the newest value found (else the restored one), replay the logged rounds up
         to it into the ledger and the round book, and release the fragment. Version numbers
         past it that may exist (delivered, or logged and perhaps delivered) are never reused:
@@ -91,11 +95,11 @@ class RecoveringCore:
         r = self.recovering.pop(fragment)
         self.book.held.discard(fragment)
         if r.found is not None:  # the learners' copy becomes the global value too
-            adopted, values = r.found
-            copy = values
+            adopted, value = r.found
+            copy = value
         else:  # the checkpoint's global value, and the copy the learners were sent of it
-            adopted, values = r.restored, self.values[fragment]
-            copy = self.published[fragment].get(adopted, values)
+            adopted, value = r.restored, values[fragment]
+            copy = published[fragment].get(adopted, value)
         for e in r.logged:
             if e.version > adopted:
                 break
@@ -108,13 +112,13 @@ class RecoveringCore:
                 c.learner: (c.base_version, c.num_steps, c.num_tokens) for c in e.contributions
             }
             self.book.replay(fragment, e.version, merged)
-        self.values[fragment] = values
+        values[fragment] = value
         hist = {adopted: copy}
         top = max(r.delivered, r.newest)
         if top > adopted:
             # The same value under a fresh number: learners that hold `adopted` rename it.
             hist[top + 1] = copy
             self.book.replay(fragment, top + 1, {})
-        self.published[fragment] = hist
+        published[fragment] = hist
         self.down.forget(fragment)  # learners hold values from before: each gets it in full
         return adopted, max(0, r.delivered - adopted)
