@@ -1,4 +1,4 @@
-"""A load generator for tests and benchmarks (issue 15): N processes that keep a core busy
+"""A load generator for tests and benchmarks: N processes that keep a core busy
 each, as other jobs on a shared machine or cluster node would.
 
 Each spinner is a plain Python busy loop at normal priority that exits on its own when the

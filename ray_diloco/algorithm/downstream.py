@@ -1,5 +1,4 @@
-"""Layer: algorithm (pure, no Ray). Publications on their way down, synchronizer to learner
-(issue 11: 4-bit both ways).
+"""Layer: algorithm (pure, no Ray). Publications on their way down, synchronizer to learner.
 
 Every learner that holds version v of a fragment holds exactly the same values, Q_v: the
 synchronizer keeps Q_v as the published value of v and rebuilds contributions based on v from

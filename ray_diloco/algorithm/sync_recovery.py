@@ -1,5 +1,5 @@
 """Layer: algorithm (pure, no Ray). How a restarted synchronizer core loses no merged round
-(docs/algorithm.md section 7; docs/contracts.md, issue 17): a fragment with rounds past its
+(docs/algorithm.md section 7; docs/contracts.md): a fragment with rounds past its
 checkpoint is held while the learners hand back the newest value they hold, and the round log
 replays the ledger and the round book up to it. `SynchronizerCore` (sync_core.py) owns one
 `Recoveries`, given the plan, round book, ledger and downstream it acts on; the global values

@@ -1,5 +1,5 @@
 """Shared pieces of the chaos tests: the run config, running it on the module's cluster, and
-the checks every fault kind must pass (issue 4).
+the checks every fault kind must pass.
 
 The run: the tiny model on synthetic data, decoupled with K = 1, two learners in two regions
 of the emulated cluster: `us`, a one-host CPU learner on a us-east5 host, and `eu`, one on a
@@ -204,7 +204,7 @@ def check_run(
     full_uptime: bool = True,
     may_go_unnoticed: frozenset[str] = frozenset(),
 ) -> None:
-    """What every chaos run must show (issue 4); `may_go_unnoticed` as for `run_chaos`."""
+    """What every chaos run must show; `may_go_unnoticed` as for `run_chaos`."""
     s = run.summary
     unsettled = [o for o in run.outcomes if o.recovered_t is None and not o.superseded]
     assert s["stop_reason"] == SETTLED, (s["stop_reason"], unsettled)

@@ -1,4 +1,4 @@
-"""Every fault kind on the emulated two-region cluster, plus a mixed storm (issue 4).
+"""Every fault kind on the emulated two-region cluster, plus a mixed storm.
 
 Each test trains the tiny model to its token budget with K = 1 while the chaos engine injects
 its faults: several that need no restart (one per learner, or one after the other), or several

@@ -1,4 +1,4 @@
-"""Elastic membership on the emulated multi-node cluster (issue 16): a node added mid-run gets
+"""Elastic membership on the emulated multi-node cluster: a node added mid-run gets
 a scavenged learner that contributes merged rounds; drained (a preemption notice), the node
 loses that learner gracefully: no restart, no fault, nothing lost, the others go on. One run
 for both: two runs of this length cost CI 220 s."""

@@ -1,6 +1,6 @@
 """Watching a run on a local Ray with its dashboard: every series the Grafana dashboard queries
 is exported with the run's name and moves, the actors carry readable names, and the run leaves
-its report behind (issue 13)."""
+its report behind."""
 
 from __future__ import annotations
 

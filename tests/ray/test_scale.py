@@ -1,4 +1,4 @@
-"""`ray-diloco scale` adds a learner to a running job and removes it again (issue 16): the new
+"""`ray-diloco scale` adds a learner to a running job and removes it again: the new
 learner contributes merged rounds, its leave is graceful (no restart, no failure), and the
 token ledger stays exact."""
 

@@ -1,4 +1,4 @@
-"""A synchronizer sharded over two actors on a local Ray (issue 14): a synchronous two-shard
+"""A synchronizer sharded over two actors on a local Ray: a synchronous two-shard
 run reproduces the in-process reference run (one synchronizer) to 1e-5 with the same rounds
 and an exact ledger, and a shard killed mid-run stalls only its own fragments: the other
 shard's rounds go on, the dead one is restored and the run reaches its budget."""

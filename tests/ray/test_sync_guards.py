@@ -1,4 +1,4 @@
-"""Broken contributions sent to a real synchronizer actor (issue 15): each is refused with its
+"""Broken contributions sent to a real synchronizer actor: each is refused with its
 reason on the event tape, in the status counters and in the exported metrics, and neither the
 global model nor the ledger moves."""
 

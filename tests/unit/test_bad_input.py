@@ -1,4 +1,4 @@
-"""Bad input never gives a traceback (issue 15): every command answers a malformed YAML file,
+"""Bad input never gives a traceback: every command answers a malformed YAML file,
 a `--set` into a list without an index, an impossible output directory, a config file that is
 a directory or a number it cannot read with one `error:` line naming the file or field and the
 fix, exit code 2, and nothing written. Run in-process: each case fails before Ray or JAX

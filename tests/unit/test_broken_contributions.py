@@ -1,4 +1,4 @@
-"""Broken or malicious contributions (issue 15): a fragment of the wrong shape or dtype, a
+"""Broken or malicious contributions: a fragment of the wrong shape or dtype, a
 wrong fragment index, an absurd token or step count, a replay, a corrupted (blown-up or NaN)
 update, late ones under `late_policy: drop` and an old incarnation's pending one are refused
 with their reason counted, and change neither the global model nor the ledger

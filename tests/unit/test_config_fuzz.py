@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the config boundary (issue 15): whatever a user writes in a YAML
+"""Property-based fuzzing of the config boundary: whatever a user writes in a YAML
 file, a `--set key=value` or a `scale --add` spec either loads or raises the project's
 `ConfigError` (one `error:` line in the CLI), never anything else.
 

@@ -1,4 +1,4 @@
-"""A synchronizer restarted after its last checkpoint recovers every round since (issue 17): the
+"""A synchronizer restarted after its last checkpoint recovers every round since: the
 round log (algorithm/round_log.py) makes its ledger exact, the learners hand back the newest
 values (`SynchronizerCore.provide`), and what nobody can hand back falls back to the checkpoint
 under fresh version numbers."""
