@@ -23,7 +23,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,19 @@ from ray_diloco.config import (
     whole_number,
 )
 from ray_diloco.observe.report import machine
-from ray_diloco.sim.goodput_sim import PRESETS, simulate
-from ray_diloco.sim.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, published, sweep
+from ray_diloco.sim.goodput_sim import PRESETS, InfeasibleError, simulate
+from ray_diloco.sim.goodput_sweep import (
+    CALIBRATION_COLUMN,
+    CHIPS,
+    LEARNERS,
+    Row,
+    calibrate,
+    format_table,
+    out_of_sample,
+    plot,
+    row_of,
+    sweep,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +116,27 @@ def run(args: argparse.Namespace) -> tuple[RunConfig, list[Row], dict[str, Any]]
             )
         rows, profile = sweep(gs, chips, learners, cfg.diloco, cfg.synchronizer)
     else:
-        rows = [
-            {**asdict(r), "published": published(r.chips, r.system, r.learners)}
-            for r in simulate(gs, cfg.diloco, cfg.synchronizer)
-        ]
+        try:
+            results = simulate(gs, cfg.diloco, cfg.synchronizer)
+        except InfeasibleError as err:
+            raise ConfigError(str(err)) from None
+        rows = [row_of(r) for r in results]
         profile = {}
     timing: dict[str, Any] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     return cfg, rows, {**timing, "cpu_s_by_part": profile}
+
+
+def calibration(cfg: RunConfig) -> dict[str, Any]:
+    """The calibrated term: what the configuration uses, and what the calibration gives on
+    this configuration's own trace at 1.2M chips."""
+    gs = cfg.goodput_sim
+    system, learners = CALIBRATION_COLUMN
+    return {
+        "column": f"{system} (M={learners})",
+        "field": "restart_cost_s",
+        "used_s": gs.restart_cost_s,
+        "calibrated_s": calibrate(gs),
+    }
 
 
 def _stem(preset: str) -> str:
@@ -133,6 +157,7 @@ def _write(
     stem = _stem(args.preset)
     meta = {
         "command": command,
+        "calibration": calibration(cfg),
         "machine": machine(),
         "date": dt.date.today().isoformat(),
         "preset": args.preset,
@@ -143,7 +168,13 @@ def _write(
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
     paths[0].write_text(
         json.dumps(
-            {"meta": meta, "goodput_sim": cfg.goodput_sim.model_dump(mode="json"), "rows": rows},
+            {
+                "meta": meta,
+                "goodput_sim": cfg.goodput_sim.model_dump(mode="json"),
+                "diloco": cfg.diloco.model_dump(mode="json"),
+                "published_vs_simulated": out_of_sample(rows),
+                "rows": rows,
+            },
             indent=2,
         )
     )
