@@ -4,6 +4,7 @@ section 10) from the command line.
   ray-diloco simulate-goodput --chips 1200000 --learners 8          one cluster, every system
   ray-diloco simulate-goodput --sweep --days 30 --out runs/goodput  150k..2.4M chips x M=2..16
   ray-diloco simulate-goodput --sweep --preset slow-repair          the harsher settings
+  ray-diloco simulate-goodput --sweep --chips 1200000 9600000 --learners 8 32 --name beyond
 
 Settings come from the `goodput_sim` section of the run config (`--config`, `--set`), on top
 of a named preset (`--preset`, default `calibrated`: the config's defaults); the convenience
@@ -65,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
         "--preset",
         choices=list(PRESETS),
         default="calibrated",
-        help="named settings under --config/--set (slow-repair: the settings before "
-        "calibration, ten times harsher)",
+        help="named settings under --config/--set (slow-repair: repairs and restarts ten "
+        "times slower, learners that restart; slow-link: 0.5 Gbps learner links, a "
+        "bandwidth-limited synchronizer)",
     )
     p.add_argument("--chips", type=whole_number, nargs="+", help="cluster size(s) in chips")
     p.add_argument("--learners", type=whole_number, nargs="+", help="decoupled learner count(s), M")
@@ -78,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
         "(or the values given to --chips / --learners)",
     )
     p.add_argument("--out", type=Path, help="directory for goodput_sim.json, .md and .png")
+    p.add_argument(
+        "--name",
+        help="file stem under --out (default goodput_sim, goodput_sim_<preset> for a preset)",
+    )
     return p
 
 
@@ -139,7 +145,10 @@ def calibration(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def _stem(preset: str) -> str:
+def _stem(args: argparse.Namespace) -> str:
+    if args.name:
+        return str(args.name)
+    preset = args.preset
     return "goodput_sim" if preset == "calibrated" else f"goodput_sim_{preset.replace('-', '_')}"
 
 
@@ -154,7 +163,7 @@ def _write(
 ) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["ray-diloco", "simulate-goodput", *argv])
-    stem = _stem(args.preset)
+    stem = _stem(args)
     meta = {
         "command": command,
         "calibration": calibration(cfg),
@@ -184,8 +193,9 @@ def _write(
     )
     gs = cfg.goodput_sim
     title = (
-        f"Goodput under one failure trace ({args.preset} settings, {gs.learner_mode} learners)\n"
-        f"{gs.duration_days:g} days, {gs.mtbi_chip_days:g} chip-days between interruptions"
+        f"Goodput under one failure trace ({args.preset} settings: {gs.learner_mode} learners, "
+        f"K = {gs.quorum_min}, {gs.sync_schedule} schedule)\n{gs.duration_days:g} simulated "
+        f"day(s), MTBI {gs.mtbi_chip_days:g} chip-days, learner links {gs.link_gbps:g} Gbps"
     )
     plot(rows, paths[2], title)
     return paths
@@ -195,6 +205,8 @@ def simulate_goodput_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     try:
+        if args.name is not None and (not args.name or Path(args.name).name != args.name):
+            raise ConfigError(f"--name {args.name!r}: a file stem, without a folder; pick another")
         if args.out is not None:
             check_output_dir(args.out, "--out")
         cfg, rows, timing = run(args)
@@ -204,6 +216,12 @@ def simulate_goodput_main(argv: list[str] | None = None) -> int:
     table = format_table(rows)
     gs = cfg.goodput_sim
     print(table)
+    for r in rows:
+        if r.get("infeasible"):
+            print(
+                f"warning: {r['chips']:,} chips, M={r['learners']}: {r['infeasible']}",
+                file=sys.stderr,
+            )
     print(
         f"{gs.duration_days:g} simulated days, mtbi {gs.mtbi_chip_days:g} chip-days, "
         f"{gs.recovery} recovery (median {gs.recovery_median_s:g} s), {gs.learner_mode} "

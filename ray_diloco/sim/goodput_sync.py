@@ -42,11 +42,18 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.algorithm.downstream import full_dtype
 from ray_diloco.algorithm.links import link_seconds
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy, Verdict
 from ray_diloco.algorithm.rounds import RoundBook
-from ray_diloco.algorithm.wire import publish_dtype, wire_bytes
-from ray_diloco.config import DilocoConfig, GoodputSimConfig, LinkConfig, SynchronizerConfig
+from ray_diloco.algorithm.wire import wire_bytes
+from ray_diloco.config import (
+    DilocoConfig,
+    GoodputSimConfig,
+    LinkConfig,
+    SynchronizerConfig,
+    WireDtype,
+)
 from ray_diloco.sim.goodput_jobs import Activity
 from ray_diloco.sim.goodput_trace import SECONDS_PER_DAY, num_windows
 
@@ -70,9 +77,10 @@ def cadence(cfg: GoodputSimConfig, diloco: DilocoConfig) -> Cadence:
     link = LinkConfig(bandwidth_gbps=cfg.link_gbps, latency_ms=cfg.link_latency_ms)
     block = diloco.int4_block_size
     up_bytes = wire_bytes(n, diloco.wire_dtype, block)
-    down_dtype = publish_dtype(diloco.wire_dtype) if diloco.publish_delta == "none" else None
-    down_bytes = wire_bytes(n, down_dtype or diloco.publish_delta, block)
-    full = wire_bytes(round(cfg.model_params), publish_dtype(diloco.wire_dtype), block)
+    # A publication goes down as a quantized difference, or as the full value.
+    down: WireDtype = full_dtype(diloco) if diloco.publish_delta == "none" else diloco.publish_delta
+    down_bytes = wire_bytes(n, down, block)
+    full = wire_bytes(round(cfg.model_params), full_dtype(diloco), block)
     # The link carries the P fragments one after another, each way: a window can be no
     # shorter than P transfers (latency overlaps, bytes do not).
     serial = p * max(up_bytes, down_bytes) * 8 / (cfg.link_gbps * 1e9)
