@@ -18,8 +18,11 @@ what of that work reaches the global model:
   `merge_s` after the close and reaches each learner one download later.
 - Adopting a version overwrites the learner's fragment and restarts its counters
   (algorithm.md section 4): the steps it took between its contribution and the adoption never
-  reach the global model (`diloco.keep_unsent_work` carries them to the next offer instead).
-  `diloco.publish_to` says who adopts: every learner, or the round's contributors.
+  reach the global model (`diloco.keep_unsent_work` carries them to the next offer instead;
+  `mixing_alpha` keeps a share of the values, not of the counters, so it changes nothing here).
+  `diloco.publish_to` says who adopts: every learner, or the round's contributors;
+  `diloco.apply_at: overlap` applies a version no earlier than tau steps after the learner's
+  own last offer.
 - A restarting learner's counters die with it (work since its last contribution, and a
   contribution still on the wire); what the book holds is kept and merged.
 - The fragment's shard fails (Poisson, `shard_mtbf_days`) and is out `detect_s +
@@ -231,7 +234,8 @@ class FragmentSim:
         self.published_v: list[int] = []
         self.own_t: list[list[float]] = [[0.0] for _ in range(m)]
         self.own_v: list[list[int]] = [[0] for _ in range(m)]
-        self.last_offer: list[tuple[float, float] | None] = [None] * m
+        self.last_offer: list[tuple[float, float] | None] = [None] * m  # (running, work)
+        self.last_made: list[float | None] = [None] * m  # wall time of the last one taken
         self.commits_s: list[float] = []
         self.verdicts: Counter[str] = Counter()
         self.round_sizes: Counter[int] = Counter()
@@ -354,6 +358,10 @@ class FragmentSim:
             # contribution it owes there (the order of algorithm.md section 4).
             bound = t_c if t_c > starts[i][j] or j == 0 else ends[i][j - 1]
             since, base = self._adopted(i, bound)
+            made = self.last_made[i]
+            if self.diloco.apply_at == "overlap" and made is not None and since > made:
+                # Applied no earlier than tau steps after the learner's own last offer.
+                since = min(max(since, made + self.diloco.overlap_steps * step), t_c)
             run_c, work_c = self.clocks[i].at(t_c)
             run_s, work_s = self.clocks[i].at(max(since, starts[i][j]) if self.restarts else since)
             last = self.last_offer[i]
@@ -371,6 +379,7 @@ class FragmentSim:
             self.verdicts[verdict] += 1
             if verdict is Verdict.ACCEPTED:
                 self.last_offer[i] = (run_c, work_c)
+                self.last_made[i] = t_c
             elif verdict is Verdict.STALE_VERSION:
                 # A refused learner takes the newest version at once (section 7).
                 self._adopt(i, t_a + self.cad.down_s, book.fragments[0].version)
@@ -395,6 +404,7 @@ class FragmentSim:
         self.book.heartbeat(self.names[i], incarnation, t, self.cfg.step_time_s)
         self._adopt(i, t, versions[0])  # a new incarnation starts from the newest version
         self.last_offer[i] = None
+        self.last_made[i] = None
         self._poll(t)
 
 

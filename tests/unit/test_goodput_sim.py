@@ -190,6 +190,17 @@ def test_no_failures_loses_only_the_synchronizers_window_share():
         assert d.uptime == 1.0 and d.rounds > 500
 
 
+def test_applying_after_the_overlap_loses_tau_steps_a_window():
+    # apply_at: overlap holds a new version until tau steps after the learner's offer: the
+    # steps overwritten per window become max(transfer + merge, tau x step) = 3.4 s of 40.8.
+    cfg = quiet()
+    diloco = DilocoConfig(apply_at="overlap")
+    res = DecoupledSim(cfg, make_trace(cfg), diloco).run()
+    tau_s = diloco.overlap_steps * cfg.step_time_s
+    loss = max(tau_s, window_loss(cfg) * cadence(cfg, diloco).window_s) / (24 * cfg.step_time_s)
+    assert res.goodput == pytest.approx(1 - loss, abs=0.002)
+
+
 def test_slower_link_lowers_goodput_by_the_transfer_share():
     # Without failures the link's cost is exactly its share of the window: 10 -> 2 Gbps adds
     # 2 x 0.9 s of transfer to each 40.8 s window (-4.4 points); at 0.5 Gbps the link cannot
