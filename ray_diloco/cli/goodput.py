@@ -29,6 +29,7 @@ from typing import Any
 
 from ray_diloco.config import (
     ConfigError,
+    DilocoConfig,
     RunConfig,
     add_config_args,
     check_output_dir,
@@ -192,10 +193,13 @@ def _write(
         f"{timing['cpu_s']:.1f} s CPU, {timing['wall_s']:.1f} s wall.\n\n```\n{command}\n```\n"
     )
     gs = cfg.goodput_sim
+    default = DilocoConfig().model_dump()
+    changed = [f"diloco.{k}={v}" for k, v in cfg.diloco.model_dump().items() if default[k] != v]
     title = (
         f"Goodput under one failure trace ({args.preset} settings: {gs.learner_mode} learners, "
         f"K = {gs.quorum_min}, {gs.sync_schedule} schedule)\n{gs.duration_days:g} simulated "
         f"day(s), MTBI {gs.mtbi_chip_days:g} chip-days, learner links {gs.link_gbps:g} Gbps"
+        + "".join(f", {c}" for c in changed)
     )
     plot(rows, paths[2], title)
     return paths
