@@ -27,7 +27,6 @@ window (a link-bound cadence commits less often, on schedule).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +36,6 @@ from ray_diloco.config import DilocoConfig, GoodputSimConfig, SynchronizerConfig
 from ray_diloco.sim.goodput_jobs import Activity, Slices, cluster, groups, shrinking, waiting
 from ray_diloco.sim.goodput_sync import FragmentSim, cadence, commit_uptime
 from ray_diloco.sim.goodput_trace import SECONDS_PER_DAY, FailureTrace, make_trace, window_uptime
-
-logger = logging.getLogger(__name__)
 
 # Settings the sweep reports beside the defaults: repairs and restarts ten times slower and
 # learners that die at every failure; and a synchronizer whose learners' links carry a
@@ -75,6 +72,7 @@ class SystemResult:
     trained: float | None = None
     merged_share: float | None = None
     window_s: float | None = None
+    sync: dict[str, Any] | None = None  # decoupled: `goodput_sync.SyncOutcome.diagnostics`
 
 
 def reload_s(cfg: GoodputSimConfig) -> float:
@@ -220,7 +218,6 @@ class DecoupledSim:
             restarts = sum(max(0, len(j.starts) - 1) for j in self.jobs)
         else:
             restarts = sum(j.num_stalls for j in self.jobs)
-        logger.debug("decoupled M=%d verdicts %s", cfg.num_learners, out.verdicts)
         return SystemResult(
             system="decoupled",
             chips=chips,
@@ -235,6 +232,7 @@ class DecoupledSim:
             trained=computed / (chips * dur),
             merged_share=out.merged_chip_s / computed if computed else 0.0,
             window_s=out.window_s,
+            sync=out.diagnostics,
         )
 
 

@@ -201,12 +201,11 @@ class SyncOutcome:
     merged_chip_s: float  # work that reached the global model
     rounds: int
     commits_s: tuple[float, ...]
-    verdicts: dict[str, int]
-    round_sizes: dict[int, int]  # contributions merged per round -> rounds
-    lost_in_flight: int  # contributions whose learner died before they arrived
-    shard_outages: int
     window_s: float
-    link_bound: bool
+    # What the book and the replay saw, for the rows: verdicts per kind, rounds per number of
+    # contributions merged, contributions whose learner died before they arrived, the
+    # shard's outages, and whether the link set the window.
+    diagnostics: dict[str, Any]
 
 
 class FragmentSim:
@@ -391,12 +390,14 @@ class FragmentSim:
             merged_chip_s=self.merged,
             rounds=len(self.commits_s),
             commits_s=tuple(self.commits_s),
-            verdicts={str(k): v for k, v in self.verdicts.items()},
-            round_sizes=dict(self.round_sizes),
-            lost_in_flight=self.lost_in_flight,
-            shard_outages=self.outages,
             window_s=self.cad.window_s,
-            link_bound=self.cad.link_bound,
+            diagnostics={
+                "verdicts": {str(k): v for k, v in sorted(self.verdicts.items())},
+                "round_sizes": {str(k): v for k, v in sorted(self.round_sizes.items())},
+                "lost_in_flight": self.lost_in_flight,
+                "shard_outages": self.outages,
+                "link_bound": self.cad.link_bound,
+            },
         )
 
     def _register(self, t: float, i: int, incarnation: int) -> None:
