@@ -295,6 +295,9 @@ def goodput_sim(data: dict[str, Any]) -> str:
         for system, m, name in systems:
             r = at[(system, m)]
             pub = f" **[{100 * r['published']:.0f}%]**" if r.get("published") is not None else ""
+            if r["goodput"] is None:  # a cell in which no round can commit: not simulated
+                row[name] = f"not simulated{pub}"
+                continue
             row[name] = f"{100 * r['goodput']:.1f}% ({100 * r['uptime']:.0f}%){pub}"
         table.append(row)
     parts = sorted(meta["cpu_s_by_part"].items(), key=lambda kv: -kv[1])

@@ -4,6 +4,7 @@ section 10) from the command line.
   ray-diloco simulate-goodput --chips 1200000 --learners 8          one cluster, every system
   ray-diloco simulate-goodput --sweep --days 30 --out runs/goodput  150k..2.4M chips x M=2..16
   ray-diloco simulate-goodput --sweep --preset slow-repair          the harsher settings
+  ray-diloco simulate-goodput --sweep --chips 1200000 9600000 --learners 8 32 --name beyond
 
 Settings come from the `goodput_sim` section of the run config (`--config`, `--set`), on top
 of a named preset (`--preset`, default `calibrated`: the config's defaults); the convenience
@@ -23,13 +24,13 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ray_diloco.cli.help import parser
 from ray_diloco.config import (
     ConfigError,
+    DilocoConfig,
     RunConfig,
     add_config_args,
     check_output_dir,
@@ -37,8 +38,19 @@ from ray_diloco.config import (
     whole_number,
 )
 from ray_diloco.observe.report import machine
-from ray_diloco.sim.goodput_sim import PRESETS, simulate
-from ray_diloco.sim.goodput_sweep import CHIPS, LEARNERS, Row, format_table, plot, published, sweep
+from ray_diloco.sim.goodput_sim import PRESETS, InfeasibleError, simulate
+from ray_diloco.sim.goodput_sweep import (
+    CALIBRATION_COLUMN,
+    CHIPS,
+    LEARNERS,
+    Row,
+    calibrate,
+    format_table,
+    out_of_sample,
+    plot,
+    row_of,
+    sweep,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         "--preset",
         choices=list(PRESETS),
         default="calibrated",
-        help="named settings under --config/--set (slow-repair: the settings before "
-        "calibration, ten times harsher)",
+        help="named settings under --config/--set (slow-repair: repairs and restarts ten "
+        "times slower, learners that restart; slow-link: 0.5 Gbps learner links, a "
+        "bandwidth-limited synchronizer)",
     )
     p.add_argument("--chips", type=whole_number, nargs="+", help="cluster size(s) in chips")
     p.add_argument("--learners", type=whole_number, nargs="+", help="decoupled learner count(s), M")
@@ -65,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
         "(or the values given to --chips / --learners)",
     )
     p.add_argument("--out", type=Path, help="directory for goodput_sim.json, .md and .png")
+    p.add_argument(
+        "--name",
+        help="file stem under --out (default goodput_sim, goodput_sim_<preset> for a preset)",
+    )
     return p
 
 
@@ -103,16 +120,33 @@ def run(args: argparse.Namespace) -> tuple[RunConfig, list[Row], dict[str, Any]]
             )
         rows, profile = sweep(gs, chips, learners, cfg.diloco, cfg.synchronizer)
     else:
-        rows = [
-            {**asdict(r), "published": published(r.chips, r.system, r.learners)}
-            for r in simulate(gs, cfg.diloco, cfg.synchronizer)
-        ]
+        try:
+            results = simulate(gs, cfg.diloco, cfg.synchronizer)
+        except InfeasibleError as err:
+            raise ConfigError(str(err)) from None
+        rows = [row_of(r) for r in results]
         profile = {}
     timing: dict[str, Any] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     return cfg, rows, {**timing, "cpu_s_by_part": profile}
 
 
-def _stem(preset: str) -> str:
+def calibration(cfg: RunConfig) -> dict[str, Any]:
+    """The calibrated term: what the configuration uses, and what the calibration gives on
+    this configuration's own trace at 1.2M chips."""
+    gs = cfg.goodput_sim
+    system, learners = CALIBRATION_COLUMN
+    return {
+        "column": f"{system} (M={learners})",
+        "field": "restart_cost_s",
+        "used_s": gs.restart_cost_s,
+        "calibrated_s": calibrate(gs),
+    }
+
+
+def _stem(args: argparse.Namespace) -> str:
+    if args.name:
+        return str(args.name)
+    preset = args.preset
     return "goodput_sim" if preset == "calibrated" else f"goodput_sim_{preset.replace('-', '_')}"
 
 
@@ -127,9 +161,10 @@ def _write(
 ) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["ray-diloco", "simulate-goodput", *argv])
-    stem = _stem(args.preset)
+    stem = _stem(args)
     meta = {
         "command": command,
+        "calibration": calibration(cfg),
         "machine": machine(),
         "date": dt.date.today().isoformat(),
         "preset": args.preset,
@@ -140,7 +175,13 @@ def _write(
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
     paths[0].write_text(
         json.dumps(
-            {"meta": meta, "goodput_sim": cfg.goodput_sim.model_dump(mode="json"), "rows": rows},
+            {
+                "meta": meta,
+                "goodput_sim": cfg.goodput_sim.model_dump(mode="json"),
+                "diloco": cfg.diloco.model_dump(mode="json"),
+                "published_vs_simulated": out_of_sample(rows),
+                "rows": rows,
+            },
             indent=2,
         )
     )
@@ -149,9 +190,13 @@ def _write(
         f"{timing['cpu_s']:.1f} s CPU, {timing['wall_s']:.1f} s wall.\n\n```\n{command}\n```\n"
     )
     gs = cfg.goodput_sim
+    default = DilocoConfig().model_dump()
+    changed = [f"diloco.{k}={v}" for k, v in cfg.diloco.model_dump().items() if default[k] != v]
     title = (
-        f"Goodput under one failure trace ({args.preset} settings, {gs.learner_mode} learners)\n"
-        f"{gs.duration_days:g} days, {gs.mtbi_chip_days:g} chip-days between interruptions"
+        f"Goodput under one failure trace ({args.preset} settings: {gs.learner_mode} learners, "
+        f"K = {gs.quorum_min}, {gs.sync_schedule} schedule)\n{gs.duration_days:g} simulated "
+        f"day(s), MTBI {gs.mtbi_chip_days:g} chip-days, learner links {gs.link_gbps:g} Gbps"
+        + "".join(f", {c}" for c in changed)
     )
     plot(rows, paths[2], title)
     return paths
@@ -161,6 +206,8 @@ def simulate_goodput_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     try:
+        if args.name is not None and (not args.name or Path(args.name).name != args.name):
+            raise ConfigError(f"--name {args.name!r}: a file stem, without a folder; pick another")
         if args.out is not None:
             check_output_dir(args.out, "--out")
         cfg, rows, timing = run(args)
@@ -170,6 +217,12 @@ def simulate_goodput_main(argv: list[str] | None = None) -> int:
     table = format_table(rows)
     gs = cfg.goodput_sim
     print(table)
+    for r in rows:
+        if r.get("infeasible"):
+            print(
+                f"warning: {r['chips']:,} chips, M={r['learners']}: {r['infeasible']}",
+                file=sys.stderr,
+            )
     print(
         f"{gs.duration_days:g} simulated days, mtbi {gs.mtbi_chip_days:g} chip-days, "
         f"{gs.recovery} recovery (median {gs.recovery_median_s:g} s), {gs.learner_mode} "

@@ -204,20 +204,3 @@ def window_uptime(
     """Fraction of windows [k W, (k+1) W) that overlap at least one interval [start, end)."""
     first, stop = windows_touched(starts, ends, window_s)
     return float((stop - first).sum()) / num_windows(duration_s, window_s)
-
-
-def quorum_uptime(
-    jobs: list[tuple[np.ndarray, np.ndarray]], quorum: int, duration_s: float, window_s: float
-) -> float:
-    """Fraction of windows in which at least `quorum` of the jobs' interval sets overlap."""
-    ranges = [windows_touched(a, b, window_s) for a, b in jobs]
-    at = np.concatenate([r[0] for r in ranges] + [r[1] for r in ranges])
-    step = np.concatenate(
-        [np.ones(len(r[0]), np.int64) for r in ranges]
-        + [-np.ones(len(r[1]), np.int64) for r in ranges]
-    )
-    order = np.argsort(at, kind="stable")
-    at, count = at[order], np.cumsum(step[order])
-    # After the k-th boundary `count[k]` jobs are up until the next boundary.
-    held = np.diff(at) * (count[:-1] >= quorum)
-    return float(held.sum()) / num_windows(duration_s, window_s)

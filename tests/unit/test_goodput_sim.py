@@ -1,10 +1,10 @@
-"""The goodput simulator at scale (docs/algorithm.md section 10): closed forms, the published
-anchors, monotonicity, and that the decoupled system really drives the synchronizer's
-RoundBook."""
+"""The goodput simulator at scale (docs/algorithm.md section 10, docs/goodput.md): closed forms,
+the calibration column (pinned) and the out-of-sample cells (printed), how quorum, grace and
+link move goodput, uptime as committing rounds, the guards, and that the decoupled system
+drives the synchronizer's real RoundBook."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import subprocess
@@ -16,22 +16,33 @@ import pytest
 
 from ray_diloco.algorithm.round_types import Verdict
 from ray_diloco.cli.goodput import simulate_goodput_main
-from ray_diloco.config import ConfigError, GoodputSimConfig, load_config
+from ray_diloco.config import ConfigError, DilocoConfig, GoodputSimConfig, load_config
 from ray_diloco.sim.goodput_jobs import cluster, groups, shrinking, waiting
 from ray_diloco.sim.goodput_sim import (
     PRESETS,
     DecoupledSim,
+    InfeasibleError,
+    check_feasible,
     data_parallel,
     elastic_dp,
+    learner_activity,
     learner_bounds,
     simulate,
 )
-from ray_diloco.sim.goodput_sweep import PUBLISHED, format_table, plot, sweep
+from ray_diloco.sim.goodput_sweep import (
+    ANCHOR_CHIPS,
+    CALIBRATION_COLUMN,
+    PUBLISHED,
+    calibrate,
+    format_table,
+    plot,
+    sweep,
+)
+from ray_diloco.sim.goodput_sync import cadence, commit_uptime
 from ray_diloco.sim.goodput_trace import (
     FailureTrace,
     complement,
     make_trace,
-    quorum_uptime,
     stalls,
     window_uptime,
     windows_touched,
@@ -41,7 +52,7 @@ pytestmark = pytest.mark.timeout(60)
 
 DAY = 86_400.0
 
-# Closed-form case: one learner on one slice, exponential up and down times.
+# Closed-form case: one job on one slice, exponential up and down times.
 MTTF_S, MTTR_S, PERIOD_S = 1000.0, 50.0, 200.0
 
 
@@ -53,12 +64,11 @@ def one_slice(**kw) -> GoodputSimConfig:
         mtbi_chip_days=MTTF_S / DAY,
         recovery="exponential",
         recovery_median_s=MTTR_S * math.log(2),  # exponential is set by its median
+        detect_s=0.0,
         restart_cost_s=0.0,
-        learner_mode="restart",
-        learner_restart_s=0.0,
+        state_gb_per_chip=0.0,
         checkpoint_interval_s=PERIOD_S,
-        round_period_s=PERIOD_S,
-        straggler_cv=0.0,
+        step_time_s=1e-3,
         duration_days=250.0,
         seed=7,
     )
@@ -69,10 +79,9 @@ def one_slice(**kw) -> GoodputSimConfig:
 def analytic_goodput(period_s: float) -> float:
     """Alternating renewal process; a cycle = up time U ~ Exp(lam) + down time D, E[D] = MTTR.
 
-    With no restart cost the job (or learner) runs exactly while its slice is up, and keeps
-    only whole periods T of each up time (checkpoints, or contributions merged by the
-    synchronizer): K = floor(U / T) is geometric with P(K >= k) = q^k, q = e^{-lam T}, so
-    E[K] = q / (1 - q). By the renewal-reward theorem:
+    With no restart cost the job runs exactly while its slice is up, and keeps only whole
+    checkpoint periods T of each up time: K = floor(U / T) is geometric with P(K >= k) = q^k,
+    q = e^{-lam T}, so E[K] = q / (1 - q). By the renewal-reward theorem:
         goodput = T q / (1 - q) / (MTTF + MTTR)
     and as T -> 0 (nothing lost) T q / (1 - q) -> MTTF: MTTF / (MTTF + MTTR).
 
@@ -84,23 +93,22 @@ def analytic_goodput(period_s: float) -> float:
     return work / (MTTF_S + MTTR_S)
 
 
-def test_closed_form_one_learner_matches_analytic_goodput():
+def test_closed_form_one_job_matches_analytic_goodput():
     cfg = one_slice()
     trace = make_trace(cfg)
     assert trace.num_failures > 15_000
-    expected = analytic_goodput(PERIOD_S)
-    assert data_parallel(cfg, trace).goodput == pytest.approx(expected, rel=0.01)
-    assert DecoupledSim(cfg, trace).run().goodput == pytest.approx(expected, rel=0.01)
-    # Checkpointing every step: only the repair costs time.
+    assert data_parallel(cfg, trace).goodput == pytest.approx(analytic_goodput(PERIOD_S), rel=0.01)
+    # Checkpointing every (1 ms) step: only the repair costs time.
     no_loss = one_slice(checkpoint_interval_s=0.0)
     assert data_parallel(no_loss, trace).goodput == pytest.approx(analytic_goodput(0), rel=0.01)
 
 
 def test_one_cost_per_failure_gives_one_over_one_plus_lambda_d():
-    # 64 one-chip slices swapped at once (median 1 ms), a cost d = 100 s per failure and a
-    # failure every 50 s: lambda d = 2. The job runs Exp(lambda) between stalls of exactly d
-    # (failures during a stall are repaired in parallel), so goodput = 1 / (1 + lambda d) =
-    # 1/3. Had each failure during a stall restarted the recovery, it would be exp(-2) = 0.135.
+    # 64 one-chip slices swapped at once (median 1 ms), a cost d = 100 s per failure (detect
+    # 10 s + restart or re-mesh 90 s) and a failure every 50 s: lambda d = 2. The job runs
+    # Exp(lambda) between stalls of exactly d (failures during a stall are repaired in
+    # parallel), so goodput = 1 / (1 + lambda d) = 1/3. Had each failure during a stall
+    # restarted the recovery, it would be exp(-2) = 0.135.
     lam, d = 1 / 50.0, 100.0
     cfg = GoodputSimConfig(
         chips=64,
@@ -109,8 +117,11 @@ def test_one_cost_per_failure_gives_one_over_one_plus_lambda_d():
         mtbi_chip_days=64 / lam / DAY,
         recovery="exponential",
         recovery_median_s=1e-3,
-        restart_cost_s=d,
-        reconfig_pause_s=d,
+        detect_s=10.0,
+        restart_cost_s=d - 10.0,
+        reconfig_pause_s=d - 10.0,
+        state_gb_per_chip=0.0,
+        step_time_s=1e-3,
         duration_days=40.0,  # ~23k stalls: the estimate's std is ~0.3%
     )
     trace = make_trace(cfg)
@@ -118,85 +129,132 @@ def test_one_cost_per_failure_gives_one_over_one_plus_lambda_d():
     assert data_parallel(cfg, trace).goodput == pytest.approx(expected, rel=0.02)
     assert elastic_dp(cfg, trace).goodput == pytest.approx(expected, rel=0.02)
     # A spare learner is the same job with the re-mesh as its cost.
-    assert DecoupledSim(cfg, trace).run().goodput == pytest.approx(expected, rel=0.02)
+    spare = cfg.model_copy(update={"learner_mode": "spare"})
+    job = learner_activity(spare, groups(trace, [0, 64])[0])
+    assert job.goodput() == pytest.approx(expected, rel=0.02)
 
 
-def test_calibrated_defaults_reproduce_the_published_anchors():
-    # The full 30-day default at 1.2M chips takes ~1 s: data-parallel and elastic are
-    # vectorised, and 8 learners offer once an hour (720 offers each).
-    cfg = GoodputSimConfig()
+def test_calibration_column_is_pinned_and_the_rest_is_reported():
+    # One column of the published figure is calibrated (data-parallel: its 1.2M-chip cell
+    # sets restart_cost_s); the test pins that cell only. Every other published cell is an
+    # out-of-sample check, printed here, and reported with figures in docs/goodput.md.
+    cfg = GoodputSimConfig(duration_days=0.25)
     trace = make_trace(cfg)
-    got = {
-        "data_parallel": data_parallel(cfg, trace).goodput,
-        "elastic_dp": elastic_dp(cfg, trace).goodput,
-        "decoupled": DecoupledSim(cfg, trace).run().goodput,
-    }
-    want = {s: PUBLISHED[(s, m)] for s, m in [("data_parallel", 1), ("elastic_dp", 1)]}
-    want["decoupled"] = PUBLISHED[("decoupled", 8)]
-    for system, published in want.items():
-        assert abs(got[system] - published) <= 0.03, (system, got[system], published)
-
-
-def test_round_period_sets_resolution_not_goodput_for_learners_that_keep_state():
-    base = GoodputSimConfig(chips=150_000, num_learners=4, duration_days=3.0, seed=4)
-    trace = make_trace(base)
-    for mode in ("spare", "shrink"):
-        fine = base.model_copy(update={"learner_mode": mode, "round_period_s": 120.0})
-        coarse = base.model_copy(update={"learner_mode": mode, "round_period_s": 3600.0})
-        a, b = DecoupledSim(fine, trace).run(), DecoupledSim(coarse, trace).run()
-        assert a.rounds > 10 * b.rounds
-        # Only the unmerged tail at the end differs: at most one period per learner.
-        assert abs(a.goodput - b.goodput) <= 3600.0 / (3 * DAY)
-
-
-@pytest.mark.parametrize(
-    ("mode", "recovery_s", "mtbi_days", "slices"),
-    # Slow repairs, so that one big learner spends a lot of time down. A shrinking learner
-    # does not wait for repairs; it pays a re-mesh per failure, so it needs more failures,
-    # and at least 4 slices per learner: a slice back after the re-mesh waits for the
-    # learner's next one, which costs half a learner of 2 slices (a documented limit).
-    [("spare", 900.0, 256.0, 32), ("restart", 900.0, 256.0, 32), ("shrink", 10.0, 8.0, 64)],
-)
-def test_more_learners_never_lower_decoupled_goodput(
-    mode: str, recovery_s: float, mtbi_days: float, slices: int
-):
-    cfg = GoodputSimConfig(
-        chips=slices * 256,
-        chips_per_slice=256,
-        mtbi_chip_days=mtbi_days,  # 256: one failure per slice-day, ~100 failures in 3 days
-        recovery_median_s=recovery_s,
-        round_period_s=300.0,
-        learner_mode=mode,
-        duration_days=3.0,
-        seed=3,
-    )
-    trace = make_trace(cfg)
-    goodputs = [
-        DecoupledSim(cfg.model_copy(update={"num_learners": m}), trace).run().goodput
-        for m in (1, 2, 4, 8, 16)
-    ]
-    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(goodputs)), goodputs
-    assert goodputs[-1] > goodputs[0] + 0.1  # and the effect is not tiny
-
-
-def test_no_failures_gives_full_goodput():
-    for mode in ("spare", "shrink", "restart"):
-        cfg = GoodputSimConfig(
-            chips=4096,
-            num_learners=4,
-            mtbi_chip_days=1e12,
-            duration_days=1.0,
-            round_period_s=300.0,
-            learner_mode=mode,
+    assert CALIBRATION_COLUMN == ("data_parallel", 1)
+    calibrated = calibrate(GoodputSimConfig())
+    assert calibrated is not None
+    assert abs(calibrated - GoodputSimConfig().restart_cost_s) <= 1.0
+    dp = data_parallel(cfg, trace).goodput
+    assert abs(dp - PUBLISHED[CALIBRATION_COLUMN]) <= 0.02, dp
+    got = {("elastic_dp", 1): elastic_dp(cfg, trace).goodput}
+    for m in (2, 4, 8, 16):
+        c = cfg.model_copy(update={"num_learners": m})
+        got[("decoupled", m)] = DecoupledSim(c, trace).run().goodput
+    for (system, m), g in got.items():
+        pub = PUBLISHED[(system, m)]
+        print(
+            f"out of sample at {ANCHOR_CHIPS:,}: {system} M={m} published {pub:.0%} "
+            f"simulated {g:.1%} ({100 * (g - pub):+.1f} points)"
         )
+    # What the model says however far it lands from the published figure: more learners,
+    # fewer chips lost per failure (docs/goodput.md explains the shape).
+    ms = [got[("decoupled", m)] for m in (2, 4, 8, 16)]
+    assert ms == sorted(ms) and ms[-1] > ms[0] + 0.05, ms
+
+
+def window_loss(cfg: GoodputSimConfig, diloco: DilocoConfig | None = None) -> float:
+    """The synchronizer's share of every window when nothing fails (docs/goodput.md): the
+    steps between a contribution and the adoption of the round it went into are overwritten,
+    upload + merge + download out of each window."""
+    cad = cadence(cfg, diloco or DilocoConfig())
+    return (cad.up_s + cfg.merge_s + cad.down_s) / cad.window_s
+
+
+def quiet(**kw) -> GoodputSimConfig:
+    """No failures: 8 learners of 10 slices, a quarter of a day."""
+    base = dict(chips=8 * 2560, num_learners=8, mtbi_chip_days=1e12, duration_days=0.25)
+    return GoodputSimConfig(**{**base, **kw})
+
+
+def test_no_failures_loses_only_the_synchronizers_window_share():
+    for mode in ("spare", "shrink", "restart"):
+        cfg = quiet(learner_mode=mode)
         res = {r.system: r for r in simulate(cfg)}
         assert res["data_parallel"].failures == 0
-        assert res["data_parallel"].goodput == 1.0
-        assert res["data_parallel"].uptime == 1.0
+        assert res["data_parallel"].goodput == 1.0 and res["data_parallel"].uptime == 1.0
         assert res["elastic_dp"].goodput == 1.0
-        # Decoupled loses only the tail after the last merged contribution.
-        assert res["decoupled"].goodput > 1 - 300.0 / DAY
-        assert res["decoupled"].uptime == 1.0
+        d = res["decoupled"]
+        # ~3.6%: 0.24 s up, 1 s merge, 0.24 s down of a 40.8 s window (and the first window,
+        # before any contribution, of a quarter of a day).
+        assert d.goodput == pytest.approx(1 - window_loss(cfg), abs=0.002), mode
+        assert d.uptime == 1.0 and d.rounds > 500
+
+
+def test_applying_after_the_overlap_loses_tau_steps_a_window():
+    # apply_at: overlap holds a new version until tau steps after the learner's offer: the
+    # steps overwritten per window become max(transfer + merge, tau x step) = 3.4 s of 40.8.
+    cfg = quiet()
+    diloco = DilocoConfig(apply_at="overlap")
+    res = DecoupledSim(cfg, make_trace(cfg), diloco).run()
+    tau_s = diloco.overlap_steps * cfg.step_time_s
+    loss = max(tau_s, window_loss(cfg) * cadence(cfg, diloco).window_s) / (24 * cfg.step_time_s)
+    assert res.goodput == pytest.approx(1 - loss, abs=0.002)
+
+
+def test_slower_link_lowers_goodput_by_the_transfer_share():
+    # Without failures the link's cost is exactly its share of the window: 10 -> 2 Gbps adds
+    # 2 x 0.9 s of transfer to each 40.8 s window (-4.4 points); at 0.5 Gbps the link cannot
+    # carry 24 fragments in 40.8 s, the window stretches to 108 s (link-bound) and the share
+    # is (4.5 + 1 + 4.5) / 108.
+    got = []
+    for gbps in (10.0, 2.0, 0.5):
+        cfg = quiet(link_gbps=gbps)
+        res = DecoupledSim(cfg, make_trace(cfg)).run()
+        assert res.goodput == pytest.approx(1 - window_loss(cfg), abs=0.005), gbps
+        got.append(res.goodput)
+    assert got[0] - got[1] == pytest.approx(0.044, abs=0.005)
+    assert cadence(quiet(link_gbps=0.5), DilocoConfig()).link_bound
+    assert got[2] < got[1] < got[0]
+
+
+@pytest.fixture(scope="module")
+def failing() -> tuple[GoodputSimConfig, FailureTrace]:
+    """The published setting at 1.2M chips, 8 learners, a quarter of a day (~800 failures)."""
+    cfg = GoodputSimConfig(duration_days=0.25, num_learners=8)
+    return cfg, make_trace(cfg)
+
+
+def test_quorum_of_two_stops_lone_late_rounds(failing):
+    # A learner re-meshing when the fragment is pulled answers when it resumes, after its
+    # round closed. With K = 1 that lone contribution closes a round of its own at once, and
+    # every learner adopts it, overwriting the steps since its last adoption; with K = 2 it
+    # waits for the next pull and joins it (docs/goodput.md: +5 points at 1.2M chips, M = 8).
+    # K = M waits for every learner, so every re-mesh delays the fragment's round.
+    cfg, trace = failing
+    g = {k: DecoupledSim(cfg.model_copy(update={"quorum_min": k}), trace).run() for k in (1, 2, 8)}
+    assert g[2].goodput - g[1].goodput == pytest.approx(0.05, abs=0.02)
+    assert g[8].goodput < g[2].goodput - 0.02
+    assert g[8].rounds < g[2].rounds < g[1].rounds
+
+
+def test_grace_window_admits_late_answers(failing):
+    # The grace window holds a round open for contributions up to the slack the overlap
+    # leaves: a wider window (a longer overlap tau) lets more late answers into their round,
+    # fewer lone rounds, fewer overwrites. Small at K = 1: a re-mesh lasts 15 s, the window
+    # a second or a few (docs/goodput.md: +0.2 to +0.5 points).
+    cfg, trace = failing
+    runs = [
+        DecoupledSim(cfg, trace, DilocoConfig(**d)).run()
+        for d in (
+            dict(grace_fraction=0.0),
+            dict(),
+            dict(grace_fraction=0.9, grace_max_s=30.0, overlap_steps=20),
+        )
+    ]
+    goodputs = [r.goodput for r in runs]
+    assert goodputs == sorted(goodputs), goodputs
+    assert 0.001 < goodputs[2] - goodputs[0] < 0.02
+    assert runs[0].rounds > runs[1].rounds > runs[2].rounds
 
 
 def test_same_seed_same_result_and_seed_matters():
@@ -204,9 +262,9 @@ def test_same_seed_same_result_and_seed_matters():
         chips=16 * 256,
         num_learners=4,
         mtbi_chip_days=64.0,
-        round_period_s=120.0,
         straggler_cv=0.2,
-        duration_days=2.0,
+        sync_schedule="offer",
+        duration_days=0.5,
         seed=11,
     )
     assert simulate(cfg) == simulate(cfg)
@@ -220,52 +278,60 @@ def test_decoupled_drives_the_real_roundbook():
         mtbi_chip_days=32.0,
         recovery_median_s=60.0,
         learner_mode="restart",
-        round_period_s=60.0,
+        restart_cost_s=30.0,
         straggler_cv=0.3,
-        duration_days=1.0,
+        sync_schedule="offer",
+        duration_days=0.5,
         seed=5,
     )
     trace = make_trace(cfg)
     sim = DecoupledSim(cfg, trace)
     res = sim.run()
+    frag = sim.fragment
     assert res.rounds > 100
-    assert res.rounds == len(sim.commits_s) == sim.book.fragments[0].version
-    assert set(sim.verdicts) == {Verdict.ACCEPTED}
+    assert res.rounds == len(frag.commits_s) == sim.book.fragments[0].version
+    assert frag.verdicts[Verdict.ACCEPTED] > 0
     # Every restart registered a new incarnation: the book knows each learner's latest one.
     for i, job in enumerate(sim.jobs):
         assert sim.book.members[f"learner-{i}"].incarnation == len(job.starts) - 1
     assert res.restarts == sum(len(j.starts) - 1 for j in sim.jobs) > 0
-    # K = 1, yet some rounds merged several learners: the grace window let them in.
-    assert sim.book.policy.quorum_min == 1
-    assert max(sim.round_sizes) > 1
-    merged, offered = sum(n * c for n, c in sim.round_sizes.items()), sum(sim.verdicts.values())
-    assert offered - cfg.num_learners <= merged <= offered  # at most one pending per learner
-    # Dead learners stopped reporting, so live() dropped them; those up at the end are live.
-    live = sim.book.live(trace.duration_s)
-    timeout = sim.book.policy.heartbeat_timeout_s
-    for i, job in enumerate(sim.jobs):
-        if job.ends[-1] < trace.duration_s - timeout:
-            assert f"learner-{i}" not in live
-        elif job.ends[-1] == trace.duration_s:
-            assert f"learner-{i}" in live
+    # Out of phase (their own step times), the learners' offers make rounds of several sizes.
+    assert len(frag.round_sizes) > 1
+    # Work merged never exceeds work computed; restarts lost some of it.
+    assert 0 < res.merged_share < 1
 
 
-def test_quorum_above_live_learners_stalls_the_global_model():
-    # K = M = 2: the round needs both learners, so a down learner stops the global model.
-    base = dict(
-        chips=8 * 256,
+def test_uptime_is_zero_without_committed_rounds():
+    # Restarting learners that fail every ~2 s never live through a 40.8 s window: the
+    # guard refuses the configuration; run anyway, no round commits and uptime is 0, not the
+    # share of time some learner ran.
+    cfg = GoodputSimConfig(
+        chips=4 * 256,
         num_learners=2,
-        mtbi_chip_days=16.0,
-        recovery_median_s=300.0,
-        round_period_s=120.0,
-        duration_days=1.0,
-        seed=2,
+        mtbi_chip_days=512 * 2 / DAY,
+        learner_mode="restart",
+        restart_cost_s=1.0,
+        detect_s=0.0,
+        recovery_median_s=0.1,
+        duration_days=0.02,
     )
-    trace = make_trace(GoodputSimConfig(**base))
-    k1 = DecoupledSim(GoodputSimConfig(**base, quorum_min=1), trace).run()
-    k2 = DecoupledSim(GoodputSimConfig(**base, quorum_min=2), trace).run()
-    assert k2.uptime < k1.uptime
-    assert k2.rounds < k1.rounds
+    with pytest.raises(InfeasibleError, match="almost no round commits"):
+        check_feasible(cfg)
+    res = DecoupledSim(cfg, make_trace(cfg)).run()
+    assert res.rounds == 0 and res.goodput == 0.0 and res.uptime == 0.0
+
+
+def test_shard_outages_stop_commits_not_work():
+    # The fragment's shard is down a minute at each failure: no round commits meanwhile
+    # (uptime falls by about the outage share), but learners keep their counters, so the
+    # next round merges the outage's work.
+    base = quiet(duration_days=0.5)
+    often = base.model_copy(update={"shard_mtbf_days": 600 / DAY})
+    trace = make_trace(base)
+    a, b = DecoupledSim(base, trace).run(), DecoupledSim(often, trace).run()
+    share = (often.detect_s + often.shard_restart_s) / (600 + 65)
+    assert a.uptime - b.uptime == pytest.approx(share, abs=0.04)
+    assert abs(a.goodput - b.goodput) < 0.01
 
 
 def test_trace_failure_count_matches_poisson_rate():
@@ -296,9 +362,8 @@ def test_stalls_absorb_failures_and_wait_for_late_slices():
     assert window_uptime(np.array([0.0]), np.array([10.0]), 40.0, 10.0) == 0.25
     first, stop = windows_touched(np.array([0.0, 12.0, 31.0]), np.array([5.0, 19.0, 45.0]), 10.0)
     assert first.tolist() == [0, 3] and stop.tolist() == [2, 5]
-    jobs = [(np.array([0.0]), np.array([50.0])), (np.array([40.0]), np.array([100.0]))]
-    assert quorum_uptime(jobs, 1, 100.0, 10.0) == 1.0
-    assert quorum_uptime(jobs, 2, 100.0, 10.0) == 0.1
+    assert commit_uptime((), 100.0, 10.0) == 0.0
+    assert commit_uptime((1.0, 2.0, 35.0, 99.0), 100.0, 10.0) == 0.3
 
 
 def test_shrinking_job_runs_on_its_healthy_slices_until_the_next_remesh():
@@ -325,7 +390,7 @@ def test_shrinking_job_runs_on_its_healthy_slices_until_the_next_remesh():
 
 
 def test_sweep_table_and_plot(tmp_path: Path):
-    cfg = GoodputSimConfig(duration_days=0.5, round_period_s=300.0)
+    cfg = GoodputSimConfig(duration_days=0.05)
     rows, profile = sweep(cfg, chips=(8_192, 1_200_000), learners=(2, 8))
     systems = {(r["system"], r["learners"]) for r in rows}
     assert ("decoupled", 8) in systems and ("elastic_dp_per_learner", 2) in systems
@@ -335,13 +400,14 @@ def test_sweep_table_and_plot(tmp_path: Path):
     assert anchored == {("data_parallel", 1), ("elastic_dp", 1), ("decoupled", 2), ("decoupled", 8)}
     table = format_table(rows)
     assert "| 8,192 |" in table and "decoupled M=8" in table and "N/M" in table
-    assert "[88%]" in table and "[27%]" in table
+    assert "[88%]" in table and "[27%] (calibrated)" in table and "out of sample" in table
+    assert [r["calibration_cell"] for r in rows].count(True) == 1
     png = plot(rows, tmp_path / "g.png", "test")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_slow_repair_preset_is_much_harsher():
-    fast = GoodputSimConfig(chips=150_000, num_learners=4, duration_days=2.0)
+    fast = GoodputSimConfig(chips=150_000, num_learners=4, duration_days=1.0)
     slow = fast.model_copy(update=PRESETS["slow-repair"])
     trace_fast, trace_slow = make_trace(fast), make_trace(slow)
     for system in (data_parallel, elastic_dp):
@@ -359,7 +425,7 @@ def test_config_rejects_infinite_mean_pareto():
 
 def test_cli_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     argv = ["--chips", "4096", "8192", "--learners", "2", "4", "--days", "0.2"]
-    argv += ["--set", "goodput_sim.round_period_s=300", "--out", str(tmp_path)]
+    argv += ["--out", str(tmp_path)]
     assert simulate_goodput_main(argv) == 0
     assert "decoupled M=4" in capsys.readouterr().out
     data = json.loads((tmp_path / "goodput_sim.json").read_text())
@@ -376,6 +442,17 @@ def test_cli_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     )
     bad = ["--set", "goodput_sim.recovery=pareto", "--set", "goodput_sim.recovery_sigma=0.5"]
     assert simulate_goodput_main(bad) == 2
+    assert "calibration" in data["meta"] and data["published_vs_simulated"] == []
+
+
+def test_cli_refuses_a_configuration_in_which_no_round_commits(capsys: pytest.CaptureFixture[str]):
+    # 2 learners of 600k chips fail every ~53 s; restarting, each dies before a 40.8 s window
+    # of steps plus its restart is over... with a 120 s step window it always does.
+    argv = ["--chips", "1200000", "--learners", "2", "--days", "0.01"]
+    argv += ["--set", "goodput_sim.learner_mode=restart", "--set", "goodput_sim.step_time_s=5"]
+    assert simulate_goodput_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: goodput_sim:") and "no round" in err[0]
 
 
 def test_simulator_imports_neither_ray_nor_jax():
