@@ -111,7 +111,7 @@ class GoodputSimConfig(_Frozen):
         "pull",
         description="when learners contribute a fragment. pull: the synchronizer asks every "
         "learner for fragment p on its own schedule, every H steps (the published design as "
-        "algorithm.md section 5 reconstructs it); offer: each learner offers p when it is due "
+        "docs/algorithm.md section 5 reconstructs it); offer: each learner offers p when it is due "
         "on its own step count (this project's runtime)",
     )
     model_params: float = Field(
