@@ -229,13 +229,19 @@ class RoundBook:
         if update_norm is not None and self._after_warmup(meta):
             frag.norms.record(meta.learner, update_norm / meta.num_steps)
         old = frag.pending.get(meta.learner)
-        if old is not None and old.meta.base_version < meta.base_version:
+        carried = (0, 0)
+        if old is not None:
             # The learner's counters restart when it adopts a new version, so work in an entry
-            # based on an older version is not inside the newer counters: add it, or it is lost.
-            # With equal bases the newer counters already include the older entry's work.
-            steps += old.num_steps
-            tokens += old.num_tokens
-        frag.pending[meta.learner] = Pending(meta, steps, tokens, now, payload)
+            # based on an older version is not inside the newer counters: carry all of it, or
+            # it is lost. With equal bases the newer counters already include the older
+            # entry's own work, but not what that entry carried from older bases.
+            if old.meta.base_version < meta.base_version:
+                carried = (old.num_steps, old.num_tokens)
+            else:
+                carried = (old.carried_steps, old.carried_tokens)
+        frag.pending[meta.learner] = Pending(
+            meta, steps + carried[0], tokens + carried[1], now, payload, *carried
+        )
         if frag.opened_s is None:
             frag.opened_s = now
         self._maybe_reach_quorum(frag, now)
@@ -396,10 +402,15 @@ class RoundBook:
             newer = frag.pending.get(e.meta.learner)
             if newer is None:
                 frag.pending[e.meta.learner] = e
-            elif newer.meta.base_version == e.meta.base_version:
-                # The newer entry's counters had e's subtracted (as merged); they are not.
+            else:
+                # On e's base, the newer entry's counters had e's subtracted (as merged); they
+                # are not merged, and what e carried from older bases stays carried. On a newer
+                # base its counters restarted: none of e's work is in them, all of it carried.
+                same = newer.meta.base_version == e.meta.base_version
                 newer.num_steps += e.num_steps
                 newer.num_tokens += e.num_tokens
+                newer.carried_steps += e.carried_steps if same else e.num_steps
+                newer.carried_tokens += e.carried_tokens if same else e.num_tokens
         if (frag.pending or frag.kept) and frag.opened_s is None:
             frag.opened_s = close.opened_s
         self._maybe_reach_quorum(frag, now)
