@@ -68,6 +68,18 @@ def test_grace_window_is_spent_slack_and_closes_on_expiry():
     assert book.versions() == {0: 1}
 
 
+def test_grace_window_is_timed_by_the_slowest_live_learner():
+    # The window waits for the slowest learner's next offer: tau=2 of its 3 s steps, not of
+    # the fast one's 1 s (slack 6, grace 3.0 where the fastest's step would give 1.0).
+    book = book_with(["a", "b"], policy())
+    book.heartbeat("b", 0, now=0.0, step_time_s=3.0)
+    book.offer(meta("a"), now=0.0)
+    assert book.slowest_step_time(now=0.0) == 3.0
+    assert book.poll(now=2.9) == []
+    (close,) = book.poll(now=3.0)
+    assert close.grace_s == pytest.approx(3.0)
+
+
 def test_round_closes_early_when_every_live_learner_is_in():
     book = book_with(["a", "b"], policy())
     book.offer(meta("a"), now=0.0)
