@@ -28,7 +28,7 @@ algorithm/guards.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,32 @@ class _FragmentState:
     undo: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
 
 
+def _join_next_round(frag: _FragmentState) -> list[Pending]:
+    """`late_policy: next_round`: what arrived while its round merged joins the next one."""
+    return []
+
+
+def _drop_late(frag: _FragmentState) -> list[Pending]:
+    """`late_policy: drop`: contributions that arrived while their round was merging are
+    late; they leave the pending set (returned, to be counted as refused)."""
+    late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
+    for e in late:
+        del frag.pending[e.meta.learner]
+    late += [e for e in frag.kept if e.meta.base_version < frag.version]
+    frag.kept = [e for e in frag.kept if e.meta.base_version >= frag.version]
+    if late:
+        entries = [*frag.pending.values(), *frag.kept]
+        frag.opened_s = min((e.arrived_s for e in entries), default=None)
+        frag.quorum_s, frag.grace_s = None, 0.0
+    return late
+
+
+LATE_POLICIES: dict[str, Callable[[_FragmentState], list[Pending]]] = {
+    "next_round": _join_next_round,
+    "drop": _drop_late,
+}
+
+
 @dataclass
 class _Member:
     incarnation: int
@@ -90,6 +116,7 @@ class RoundBook:
         owned: Iterable[int] | None = None,
     ) -> None:
         self.policy = policy
+        self._late = LATE_POLICIES[policy.late_policy]
         # The fragments whose rounds this book runs (a synchronizer shard owns some of them).
         ids = range(num_fragments) if owned is None else sorted(owned)
         self.fragments = {p: _FragmentState() for p in ids}
@@ -370,18 +397,7 @@ class RoundBook:
         frag.undo = {}
         a = self.policy.step_time_ema
         self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
-        late: list[Pending] = []
-        if self.policy.late_policy == "drop":
-            # Contributions that arrived while their round was merging are late: drop them.
-            late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
-            for e in late:
-                del frag.pending[e.meta.learner]
-            late += [e for e in frag.kept if e.meta.base_version < frag.version]
-            frag.kept = [e for e in frag.kept if e.meta.base_version >= frag.version]
-            if late:
-                entries = [*frag.pending.values(), *frag.kept]
-                frag.opened_s = min((e.arrived_s for e in entries), default=None)
-                frag.quorum_s, frag.grace_s = None, 0.0
+        late = self._late(frag)
         self._maybe_reach_quorum(frag, now)
         return late
 

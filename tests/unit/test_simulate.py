@@ -54,6 +54,10 @@ def test_decoupled_run_learns_and_keeps_the_ledger(decoupled):
     assert decoupled["tokens"] >= 12000
     assert decoupled["ledger_violations"] == []
     assert all(v["contributions_merged"] > 0 for v in decoupled["learners"].values())
+    shares = [v["merged_share"] for v in decoupled["learners"].values()]
+    assert all(0.0 < s <= 1.0 for s in shares)
+    # merged-work goodput counts only the step time whose work reached the global model
+    assert decoupled["goodput_merged"] < decoupled["goodput"]
     # the slow learner took fewer steps than the fast ones: nobody waited for it
     steps = {k: v["inner_steps"] for k, v in decoupled["learners"].items()}
     assert steps["learner-2"] < steps["learner-0"]
@@ -147,6 +151,20 @@ def test_sync_core_weights_contributions_by_their_tokens():
     # when the larger delta has the tokens. Uniform weights would move both rounds equally.
     ratio = _moved_by(512, 2048) / _moved_by(2048, 512)
     assert ratio == pytest.approx(0.49 / 0.19, rel=1e-3)
+
+
+def test_merged_share_is_the_work_that_reached_the_global_model():
+    _, setup, core = _core()
+    core.register("learner-0", 0, now=0.0)
+    core.report("learner-0", 0, now=0.0, step_time_s=1.0, cursor=1024)
+    paths = setup.plan.fragments[0]
+    zeros = {k: np.zeros_like(np.asarray(setup.init[k])) for k in paths}
+    meta = ContributionMeta("learner-0", 0, 0, 0, 4, 4, 512)
+    assert core.offer(meta, wire.encode_tree(zeros, "float32"), now=0.0) is Verdict.ACCEPTED
+    assert core.merged_shares() == {"learner-0": 0.0}  # pending is not merged
+    core.poll(now=10.0)
+    # half of its 1024 tokens merged into one of the 4 fragments
+    assert core.merged_shares() == {"learner-0": pytest.approx(512 / (4 * 1024))}
 
 
 def test_sync_core_state_round_trips():
