@@ -177,6 +177,10 @@ class LearnerCore:
         self.base_values: list[dict[str, np.ndarray]] = [{} for _ in range(num_fragments)]
         self.steps_since = [0] * num_fragments  # inner steps since fragment p was received
         self.tokens_since = [0] * num_fragments
+        # p -> tokens since its base that the last offer on it carried; and the tokens of
+        # local work a new version overwrote before they were offered (summed over fragments).
+        self.offered_tokens = [0] * num_fragments
+        self.overwritten_tokens = 0
         self.params: dict[str, jax.Array] = {}
         self.inbox: dict[int, tuple[int, Mapping[str, np.ndarray]]] = {}
         # p -> the last offer since the base was received: what of the local work is unsent
@@ -186,6 +190,10 @@ class LearnerCore:
         # Differences whose base version has not arrived yet: p -> base -> message.
         self.waiting: list[dict[int, Message]] = [{} for _ in range(num_fragments)]
         self.full_dtype = downstream.full_dtype(cfg.diloco)
+        # The variants (docs/decisions/020): how a new version is taken, and when.
+        d = cfg.diloco
+        self._take = self._carry_over if d.keep_unsent_work else self._mix_in
+        self._hold_to_overlap = d.mode == "synchronous" or d.apply_at == "overlap"
         self.adopt(snapshot)
         self.opt_state = self._fresh_opt_state()
         self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
@@ -268,23 +276,25 @@ class LearnerCore:
         (`apply_at: arrival`), or those offered at least tau steps ago (`overlap`).
         Synchronous: a fragment offered at step t is applied exactly at t + tau (Streaming
         DiLoCo), which also makes the run independent of arrival timing."""
-        d = self.cfg.diloco
-        tau = d.overlap_steps
-        hold = d.mode == "synchronous" or d.apply_at == "overlap"
+        tau = self.cfg.diloco.overlap_steps
         applied = []
         for p, (version, values) in sorted(self.inbox.items()):
             offered = self.outstanding.get(p)
-            if hold and offered is not None and self.step - offered[0] < tau:
+            if self._hold_to_overlap and offered is not None and self.step - offered[0] < tau:
                 continue
             del self.inbox[p]
             if version > self.base_version[p]:
-                if d.keep_unsent_work:
-                    self._carry_over(p, version, values)
-                else:
-                    self._overwrite(p, version, values, alpha=d.mixing_alpha)
+                self._take(p, version, values)
                 self.outstanding.pop(p, None)
                 applied.append(p)
         return applied
+
+    def _mix_in(self, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
+        """`keep_unsent_work: false`: the new version overwrites the learner's values, keeping
+        `mixing_alpha` of them (algorithm.md section 4 with Streaming DiLoCo's mixing). The
+        steps since its last offer on p are lost to the global model: counted."""
+        self.overwritten_tokens += self.tokens_since[p] - self.offered_tokens[p]
+        self._overwrite(p, version, values, alpha=self.cfg.diloco.mixing_alpha)
 
     def _carry_over(self, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
         """Adopt `version` of fragment p with this learner's unsent work on it carried over:
@@ -315,6 +325,7 @@ class LearnerCore:
         self.base_version[p] = version
         self.steps_since[p] = 0
         self.tokens_since[p] = 0
+        self.offered_tokens[p] = 0
         self.last_offer.pop(p, None)
         if self.waiting[p]:
             self._resolve(p)
@@ -414,5 +425,6 @@ class LearnerCore:
         offer = PendingOffer(meta, base, arrays)
         self.pending.append(offer)
         self.outstanding[p] = (self.step, self.base_version[p])
-        if self.cfg.diloco.keep_unsent_work:
+        self.offered_tokens[p] = self.tokens_since[p]
+        if self.cfg.diloco.keep_unsent_work:  # what `_carry_over` measures unsent work from
             self.last_offer[p] = offer

@@ -10,6 +10,7 @@ The synchronizer checkpoints the ledger with its fragments, so a synchronizer re
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,15 @@ class TokenLedger:
 
     def tokens_merged(self, fragment: int) -> int:
         return sum(a.merged.get(fragment, 0) for a in self.accounts.values())
+
+    def merged_share(self, learner: str, fragments: Iterable[int]) -> float:
+        """Tokens of `learner`'s work that reached the global model over the tokens it trained,
+        averaged over `fragments` (every token trains every fragment); 0 before it trained."""
+        acct = self.account(learner)
+        ids = list(fragments)
+        if acct.cursor <= 0 or not ids:
+            return 0.0
+        return sum(acct.merged.get(p, 0) for p in ids) / (len(ids) * acct.cursor)
 
     def violations(self) -> list[str]:
         """Fragments into which a learner merged more tokens than it ever trained, and data

@@ -24,6 +24,12 @@ from ray_diloco.config import LinkConfig
 Direction = Literal["up", "down"]
 
 
+def ring_allreduce_bytes(nbytes: float, hosts: int) -> float:
+    """Bytes each host's link carries each way when `hosts` all-reduce `nbytes` over a ring:
+    a reduce-scatter and an all-gather of (hosts - 1) / hosts of them each."""
+    return 2 * (hosts - 1) / hosts * nbytes if hosts > 0 else 0.0
+
+
 def link_seconds(link: LinkConfig | None, nbytes: int) -> float:
     """Time one transfer takes on an idle link (0 when there is no link)."""
     if link is None:

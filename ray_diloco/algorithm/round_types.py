@@ -88,13 +88,17 @@ class Verdict(enum.StrEnum):
 
 @dataclass
 class Pending:
-    """One learner's entry in a fragment's pending set. Counters may absorb a replaced entry."""
+    """One learner's entry in a fragment's pending set. Counters may absorb a replaced entry;
+    `carried_*` is the part of them that came from entries on older bases (work the learner's
+    own counters, restarted at its newer base, no longer include)."""
 
     meta: ContributionMeta
     num_steps: int
     num_tokens: int
     arrived_s: float
     payload: Any
+    carried_steps: int = 0
+    carried_tokens: int = 0
 
 
 @dataclass(frozen=True)

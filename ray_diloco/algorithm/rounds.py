@@ -28,7 +28,7 @@ algorithm/guards.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,32 @@ class _FragmentState:
     undo: dict[str, tuple[int, int, int] | None] = field(default_factory=dict)
 
 
+def _join_next_round(frag: _FragmentState) -> list[Pending]:
+    """`late_policy: next_round`: what arrived while its round merged joins the next one."""
+    return []
+
+
+def _drop_late(frag: _FragmentState) -> list[Pending]:
+    """`late_policy: drop`: contributions that arrived while their round was merging are
+    late; they leave the pending set (returned, to be counted as refused)."""
+    late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
+    for e in late:
+        del frag.pending[e.meta.learner]
+    late += [e for e in frag.kept if e.meta.base_version < frag.version]
+    frag.kept = [e for e in frag.kept if e.meta.base_version >= frag.version]
+    if late:
+        entries = [*frag.pending.values(), *frag.kept]
+        frag.opened_s = min((e.arrived_s for e in entries), default=None)
+        frag.quorum_s, frag.grace_s = None, 0.0
+    return late
+
+
+LATE_POLICIES: dict[str, Callable[[_FragmentState], list[Pending]]] = {
+    "next_round": _join_next_round,
+    "drop": _drop_late,
+}
+
+
 @dataclass
 class _Member:
     incarnation: int
@@ -90,6 +116,7 @@ class RoundBook:
         owned: Iterable[int] | None = None,
     ) -> None:
         self.policy = policy
+        self._late = LATE_POLICIES[policy.late_policy]
         # The fragments whose rounds this book runs (a synchronizer shard owns some of them).
         ids = range(num_fragments) if owned is None else sorted(owned)
         self.fragments = {p: _FragmentState() for p in ids}
@@ -229,13 +256,19 @@ class RoundBook:
         if update_norm is not None and self._after_warmup(meta):
             frag.norms.record(meta.learner, update_norm / meta.num_steps)
         old = frag.pending.get(meta.learner)
-        if old is not None and old.meta.base_version < meta.base_version:
+        carried = (0, 0)
+        if old is not None:
             # The learner's counters restart when it adopts a new version, so work in an entry
-            # based on an older version is not inside the newer counters: add it, or it is lost.
-            # With equal bases the newer counters already include the older entry's work.
-            steps += old.num_steps
-            tokens += old.num_tokens
-        frag.pending[meta.learner] = Pending(meta, steps, tokens, now, payload)
+            # based on an older version is not inside the newer counters: carry all of it, or
+            # it is lost. With equal bases the newer counters already include the older
+            # entry's own work, but not what that entry carried from older bases.
+            if old.meta.base_version < meta.base_version:
+                carried = (old.num_steps, old.num_tokens)
+            else:
+                carried = (old.carried_steps, old.carried_tokens)
+        frag.pending[meta.learner] = Pending(
+            meta, steps + carried[0], tokens + carried[1], now, payload, *carried
+        )
         if frag.opened_s is None:
             frag.opened_s = now
         self._maybe_reach_quorum(frag, now)
@@ -364,18 +397,7 @@ class RoundBook:
         frag.undo = {}
         a = self.policy.step_time_ema
         self.sync_time_s = a * sync_time_s + (1 - a) * self.sync_time_s
-        late: list[Pending] = []
-        if self.policy.late_policy == "drop":
-            # Contributions that arrived while their round was merging are late: drop them.
-            late = [e for e in frag.pending.values() if e.meta.base_version < frag.version]
-            for e in late:
-                del frag.pending[e.meta.learner]
-            late += [e for e in frag.kept if e.meta.base_version < frag.version]
-            frag.kept = [e for e in frag.kept if e.meta.base_version >= frag.version]
-            if late:
-                entries = [*frag.pending.values(), *frag.kept]
-                frag.opened_s = min((e.arrived_s for e in entries), default=None)
-                frag.quorum_s, frag.grace_s = None, 0.0
+        late = self._late(frag)
         self._maybe_reach_quorum(frag, now)
         return late
 
@@ -396,10 +418,15 @@ class RoundBook:
             newer = frag.pending.get(e.meta.learner)
             if newer is None:
                 frag.pending[e.meta.learner] = e
-            elif newer.meta.base_version == e.meta.base_version:
-                # The newer entry's counters had e's subtracted (as merged); they are not.
+            else:
+                # On e's base, the newer entry's counters had e's subtracted (as merged); they
+                # are not merged, and what e carried from older bases stays carried. On a newer
+                # base its counters restarted: none of e's work is in them, all of it carried.
+                same = newer.meta.base_version == e.meta.base_version
                 newer.num_steps += e.num_steps
                 newer.num_tokens += e.num_tokens
+                newer.carried_steps += e.carried_steps if same else e.num_steps
+                newer.carried_tokens += e.carried_tokens if same else e.num_tokens
         if (frag.pending or frag.kept) and frag.opened_s is None:
             frag.opened_s = close.opened_s
         self._maybe_reach_quorum(frag, now)

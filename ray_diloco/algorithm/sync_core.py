@@ -30,6 +30,7 @@ from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy, Verdict
 from ray_diloco.algorithm.rounds import RoundBook
 from ray_diloco.algorithm.sync_recovery import Recoveries, Recovery, Values
+from ray_diloco.algorithm.variants import Variants, scaled
 from ray_diloco.config import RunConfig
 
 # Refusals after which a learner of the current incarnation must adopt the newest version.
@@ -112,6 +113,7 @@ class SynchronizerCore:
         # The configured learners read their own part of the data; joiners have none.
         self.homes = {lg.name: i for i, lg in enumerate(cfg.learners) if i < cfg.data_parts}
         self.tx = outer.make_outer_optimizer(cfg.outer)
+        self.variants = Variants.of(cfg.diloco)
         self.values: dict[int, Values] = {
             p: {k: np.array(init_values[k], np.float32) for k in plan.fragments[p]}
             for p in self.owned
@@ -232,7 +234,7 @@ class SynchronizerCore:
             meta = replace(meta, base_version=alias)
         # Anchored at its base, a contribution is held as G + its own update: its outer
         # gradient G - theta is then that update, and its distance to G the update's norm.
-        start = current if self.cfg.diloco.outer_anchor == "base" else base
+        start = self.variants.anchor.start(current, base)
         theta, sq, own = {}, {}, 0.0
         for k, e in delta.items():
             theta[k], sq[k], leaf_own = wire.decode_add(e, start[k], current[k])
@@ -270,33 +272,29 @@ class SynchronizerCore:
         t0 = time.perf_counter()
         p = close.fragment
         d = self.cfg.diloco
+        rule = self.variants
         g = self.values[p]
         held: list[Held] = [c.payload for c in close.contributions]
         weights = self._weights(close)
         contributions = [
-            (_anchored(h, g, d.outer_anchor), weight)
+            (rule.anchor.values(h.theta, h.anchor, g), weight)
             for h, weight in zip(held, weights, strict=True)
         ]
         # The guard's norms hold while G is the value they were measured against.
         sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
         parts = merge.scaled_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
         grad = {k: a for k, (a, _) in parts.items()}
-        share = 1.0
-        if d.round_step != "full":
-            share = min(1.0, len({c.meta.learner for c in close.contributions}) / close.learners)
-        scale = {k: s * share if d.round_step == "share" else s for k, (_, s) in parts.items()}
-        fraction = {
-            "fraction": share,
-            "sqrt": share**0.5,
-            "sqrt_each": min(1.0, share * close.learners**0.5),
-        }.get(d.round_step, 1.0)
-        accelerated = self._accelerated(close, weights)
+        merged = len({c.meta.learner for c in close.contributions})
+        grad_factor, fraction = rule.round_step(merged, close.learners)
+        accelerated = rule.accelerate(
+            weights, [c.num_steps for c in close.contributions], d.sync_every
+        )
         values, self.outer_states[p] = outer.outer_step(
             self.tx,
             g,
             self.outer_states[p],
             grad,
-            scale,
+            scaled({k: s for k, (_, s) in parts.items()}, grad_factor),
             fraction,
             accelerated,
             outer.warmup_lr_scale(self.tx, close.version),
@@ -313,23 +311,6 @@ class SynchronizerCore:
         self.values[p], self.published[p] = values, hist
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, close, elapsed)
-
-    def _accelerated(self, close: RoundClose, weights: list[float]) -> float:
-        """The share of the round's outer gradient the outer optimizer takes (`diloco.
-        accelerate`): with "window", one sync window's worth of the merged work, 1/m when its
-        contributions cover m > 1 windows (H inner steps each) on weighted average. Work a
-        learner trained through a synchronizer outage, or kept while its offers were late,
-        had no outer step and no feedback from the others meanwhile: accelerated as a whole,
-        its momentum carried G some lr / (1 - momentum) = 7 times as far again over the next
-        rounds (an 18 s outage ended a chaos run at 2.86 against 2.04, docs/contracts.md)."""
-        d = self.cfg.diloco
-        if d.accelerate == "all":
-            return 1.0
-        total = sum(weights)
-        if total <= 0:
-            return 1.0
-        steps = sum(w * c.num_steps for w, c in zip(weights, close.contributions, strict=True))
-        return min(1.0, d.sync_every * total / steps) if steps > 0 else 1.0
 
     def _weights(self, close: RoundClose) -> list[float]:
         d = self.cfg.diloco
@@ -349,10 +330,7 @@ class SynchronizerCore:
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
-        if self.cfg.diloco.publish_to == "all":
-            return list(learners)
-        merged = {c.meta.learner for c in pub.close.contributions}
-        return [n for n in learners if n in merged]
+        return self.variants.recipients({c.meta.learner for c in pub.close.contributions}, learners)
 
     def messages(
         self, pub: Publication, learners: Iterable[str]
@@ -383,6 +361,11 @@ class SynchronizerCore:
             return None
         version = max(hist)
         return self.down.catch_up(meta.fragment, version, hist[version], meta.learner)
+
+    def merged_shares(self) -> dict[str, float]:
+        """Per learner: the share of the tokens it trained whose work reached the global value
+        of this core's fragments (merged, not pending, refused or discarded)."""
+        return {n: self.ledger.merged_share(n, self.owned) for n in self.ledger.accounts}
 
     def sent(self, learner: str, nbytes: int) -> None:
         self.bytes_down[learner] = self.bytes_down.get(learner, 0) + nbytes
@@ -420,12 +403,3 @@ class SynchronizerCore:
         self.ledger.load_state_dict(state["ledger"])
         self.bytes_up = dict(state["bytes_up"])
         self.bytes_down = dict(state["bytes_down"])
-
-
-def _anchored(held: Held, g: Values, anchor: str) -> Values:
-    """The contribution's values as the merge takes them (G - theta is its outer gradient).
-    Held against an older G (an offer carried over to the next round), a base-anchored one
-    moves with G: it stays G plus the learner's own update."""
-    if anchor == "current" or held.anchor is g:
-        return held.theta
-    return {k: g[k] + (held.theta[k] - held.anchor[k]) for k in held.theta}

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 import ray
 
+from ray_diloco.algorithm.links import ring_allreduce_bytes
 from ray_diloco.config import ConfigError, RunConfig, check_output_dir, config_digest, dump_config
 from ray_diloco.control.events import Event, RunStarted
 from ray_diloco.control.protocol import (
@@ -391,7 +392,8 @@ def _summary(
     tokens, wall_s = st.tokens, time.time() - t0
     up, down = sum(st.bytes_up.values()), sum(st.bytes_down.values())
     tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * st.tokens_per_example
-    dp_per_token = 2 * 4 * st.num_params * cfg.num_learners / tokens_per_dp_step
+    allreduce = ring_allreduce_bytes(4 * st.num_params, cfg.num_learners)
+    dp_per_token = allreduce * cfg.num_learners / tokens_per_dp_step
     final, watched = sup.final, sup.learners
     names = [lg.name for lg in cfg.learners] + [
         n for n in watched if n not in {lg.name for lg in cfg.learners}

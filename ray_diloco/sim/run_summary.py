@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm.learner_core import LearnerCore
+from ray_diloco.algorithm.links import ring_allreduce_bytes
 from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 
@@ -65,7 +66,11 @@ def summarize_diloco(
     tokens_per_dp_step = sum(lg.batch_size for lg in cfg.learners) * (
         setup.task.data.tokens_per_example
     )
-    dp_bytes = tokens / tokens_per_dp_step * 2 * setup.param_bytes() * cfg.num_learners
+    # What a data-parallel job of these hosts would move: a ring all-reduce every step.
+    hosts = cfg.num_learners
+    dp_bytes = tokens / tokens_per_dp_step * ring_allreduce_bytes(setup.param_bytes(), hosts)
+    dp_bytes *= hosts
+    shares = sync.merged_shares()
     merged = [a.contributions for a in sync.ledger.accounts.values()]
     rounds = rounds_closed(sync)
     return {
@@ -82,12 +87,19 @@ def summarize_diloco(
         # tokens that reached the global model, averaged over fragments
         "tokens_merged": sum(sync.ledger.tokens_merged(p) for p in range(setup.plan.num_fragments))
         / setup.plan.num_fragments,
+        # the share of all trained tokens whose work reached the global model
+        "merged_share": sum(sync.ledger.tokens_merged(p) for p in range(setup.plan.num_fragments))
+        / (setup.plan.num_fragments * max(1, tokens)),
         "ledger_violations": sync.ledger.violations(),
         "learners": {
             core.name: {
                 "inner_steps": core.step,
                 "tokens": core.cursor,
                 "contributions_merged": sync.ledger.account(core.name).contributions,
+                "merged_share": shares.get(core.name, 0.0),
+                # the share of its trained tokens a new version overwrote before it offered them
+                "overwritten_share": core.overwritten_tokens
+                / (setup.plan.num_fragments * max(1, core.cursor)),
             }
             for core in learners
         },

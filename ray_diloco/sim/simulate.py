@@ -284,9 +284,12 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     # A learner that is down at the end was allocated until the end; one that left, until then.
     until = [(ln.done_s if ln.alive or ln.left else now) - ln.start_s for ln in learners]
     productive = [ln.busy_s - ln.lost_s for ln in learners]
+    merged = [summary["learners"][ln.cfg.name]["merged_share"] for ln in learners]
     return summary | {
         "work_lost_fraction": lost,
         "goodput": goodput(productive, until) * (1 - lost),
+        # Only the step time whose work reached the global model counts as productive.
+        "goodput_merged": goodput([b * s for b, s in zip(productive, merged, strict=True)], until),
         "uptime": uptime(round_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,
@@ -296,7 +299,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
 
 def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
     """One learner spanning all hosts: every step waits for the slowest host, then all-reduces
-    the gradients (2 x parameter bytes per host per step, ring all-reduce)."""
+    the gradients (a ring all-reduce: 2 (M - 1) / M x parameter bytes per host per step)."""
     setup = sim.setup
     cfg = setup.cfg
     whole = LearnerGroupConfig(
@@ -307,7 +310,7 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
     # the job takes in by re-meshing (a pause) and then shares its fixed global batch with.
     hosts = {lg.name: (lg, StepClock(cfg, lg, i)) for i, lg in enumerate(cfg.learners)}
     changes = sorted(cfg.elastic.schedule, key=lambda c: c.at_s)
-    allreduce_bytes = 2 * setup.param_bytes()
+    allreduce_bytes = round(links.ring_allreduce_bytes(setup.param_bytes(), len(hosts)))
     comm = max(link_seconds(cfg, lg.region, allreduce_bytes) for lg in cfg.learners)
     now, next_eval, eval_every = 0.0, 0, max(1, cfg.token_budget // sim.num_evals)
     busy = 0.0  # host-seconds of steps

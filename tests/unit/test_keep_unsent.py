@@ -61,6 +61,8 @@ def test_the_steps_since_the_last_offer_move_onto_the_new_version(setup: Setup, 
         np.testing.assert_allclose(np.asarray(core.params[k]), expected, rtol=1e-6, atol=1e-6)
     assert core.steps_since[p] == (3 if keep else 0)
     assert core.tokens_since[p] == (3 * core.tokens_per_step if keep else 0)
+    # without keeping, the three unsent steps are counted as overwritten (lost to G)
+    assert core.overwritten_tokens == (0 if keep else 3 * core.tokens_per_step)
     # The next offer carries that work, against the new version.
     _train(core, 1)
     core._begin(p)

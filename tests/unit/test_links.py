@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_diloco.algorithm.links import LinkEmulator, link_seconds
+from ray_diloco.algorithm.links import LinkEmulator, link_seconds, ring_allreduce_bytes
 from ray_diloco.config import LinkConfig
 
 
@@ -38,3 +38,9 @@ def test_a_cut_link_holds_transfers_until_it_is_back_and_a_slow_one_takes_longer
     assert em.arrival("us", "up", 10**9, now=3.5) == 3.5
     with pytest.raises(ValueError):
         em.impair("eu", 0.0, 1.0, factor=0.0)
+
+
+def test_a_ring_all_reduce_moves_two_m_minus_one_over_m_of_the_bytes_per_host():
+    assert ring_allreduce_bytes(1000, 4) == 1500
+    assert ring_allreduce_bytes(1000, 2) == 1000
+    assert ring_allreduce_bytes(1000, 1) == 0  # one host has nothing to exchange

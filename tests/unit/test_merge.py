@@ -195,3 +195,12 @@ def test_known_norms_and_deferred_scale_give_the_same_gradient() -> None:
     for k, (array, scale) in parts.items():
         np.testing.assert_allclose(array * scale, expected[k], rtol=1e-5, atol=1e-7)
     assert parts["embed"][1] == 1.0  # a mean is not rescaled
+
+
+def test_rda_keeps_a_small_but_real_direction() -> None:
+    # Nearly opposite deltas: the mean of their unit vectors is 1e-3 long, far above float32
+    # cancellation noise (~1e-7), so RDA keeps its direction at the mean norm (1), not zero.
+    d1 = np.array([1.0, 0.0], np.float32)
+    d2 = np.array([-1.0, 0.002], np.float32)
+    out = rda([d1, d2], [1.0, 1.0])
+    np.testing.assert_allclose(out, [0.0, 1.0], atol=2e-3)

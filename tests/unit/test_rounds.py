@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundPolicy, Verdict
 from ray_diloco.algorithm.rounds import RoundBook
@@ -64,6 +66,18 @@ def test_grace_window_is_spent_slack_and_closes_on_expiry():
     assert [c.meta.learner for c in close.contributions] == ["a"]
     assert book.commit(close, sync_time_s=0.0, now=1.2) == []  # nothing dropped as late
     assert book.versions() == {0: 1}
+
+
+def test_grace_window_is_timed_by_the_slowest_live_learner():
+    # The window waits for the slowest learner's next offer: tau=2 of its 3 s steps, not of
+    # the fast one's 1 s (slack 6, grace 3.0 where the fastest's step would give 1.0).
+    book = book_with(["a", "b"], policy())
+    book.heartbeat("b", 0, now=0.0, step_time_s=3.0)
+    book.offer(meta("a"), now=0.0)
+    assert book.slowest_step_time(now=0.0) == 3.0
+    assert book.poll(now=2.9) == []
+    (close,) = book.poll(now=3.0)
+    assert close.grace_s == pytest.approx(3.0)
 
 
 def test_round_closes_early_when_every_live_learner_is_in():
@@ -172,6 +186,85 @@ def test_replacement_keeps_tokens_exactly_once():
     book.offer(meta("a", base=1, steps=2, tokens=200, step=10), now=2.0)
     assert book.fragments[0].pending["a"].num_tokens == 1000
     assert book.fragments[0].pending["a"].num_steps == 10
+
+
+def test_replacement_on_the_same_base_keeps_work_carried_from_an_older_base():
+    # The other order: an entry on base 0 absorbed into an offer on base 1 must survive a
+    # third offer on base 1 replacing that one (its counters start at base 1).
+    book = book_with(["a", "b"], policy(quorum_min=2, max_staleness_versions=5))
+    book.offer(meta("a", steps=4, tokens=400), now=0.0)
+    book.fragments[0].version = 1
+    book.offer(meta("a", base=1, steps=2, tokens=200, step=6), now=1.0)
+    book.offer(meta("a", base=1, steps=6, tokens=600, step=10), now=2.0)
+    entry = book.fragments[0].pending["a"]
+    assert (entry.num_steps, entry.num_tokens) == (10, 1000)
+    # and through a round that merged it and aborted while a newer offer on base 1 came
+    book = book_with(["a"], policy(grace_max_s=0.0, max_staleness_versions=5))
+    book.offer(meta("a", steps=4, tokens=400), now=0.0)
+    book.fragments[0].version = 1
+    book.offer(meta("a", base=1, steps=2, tokens=200, step=6), now=1.0)
+    (close,) = book.poll(now=1.0)
+    book.offer(meta("a", base=1, steps=7, tokens=700, step=11), now=2.0)
+    book.abort(close, now=2.5)
+    assert book.fragments[0].pending["a"].num_tokens == 1100
+    book.offer(meta("a", base=1, steps=8, tokens=800, step=12), now=3.0)
+    entry = book.fragments[0].pending["a"]
+    assert (entry.num_steps, entry.num_tokens) == (12, 1200)
+
+
+_EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.just("offer"), st.integers(1, 5)),  # train n steps, then offer
+        st.sampled_from([("adopt", 0), ("poll", 0), ("commit", 0), ("abort", 0)]),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_EVENTS)
+@example(  # the issue's order: base 0 pending while merging, absorbed at base 1, replaced
+    [
+        ("offer", 4),
+        ("poll", 0),
+        ("offer", 2),
+        ("commit", 0),
+        ("adopt", 0),
+        ("offer", 2),
+        ("offer", 4),
+    ]
+)
+def test_every_offered_token_is_merged_or_pending_exactly_once(events) -> None:
+    """Any order of offers, adoptions of new versions and rounds that commit or abort: the
+    tokens merged plus the tokens pending are, for each base the learner held, the counters of
+    its last offer on that base (what it trained and offered), never more or less."""
+    book = book_with(["a"], policy(grace_max_s=0.0, max_staleness_versions=1000))
+    base, since_base, step = 0, 0, 0
+    last_offer: dict[int, int] = {}
+    merged, merging = 0, None
+    for t, (kind, n) in enumerate(events):
+        now = float(t)
+        if kind == "offer":
+            since_base += n
+            step += n
+            m = meta("a", base=base, steps=since_base, tokens=100 * since_base, step=step)
+            assert book.offer(m, now=now) is Verdict.ACCEPTED
+            last_offer[base] = since_base
+        elif kind == "adopt" and base < book.fragments[0].version:
+            base, since_base = book.fragments[0].version, 0
+        elif kind == "poll" and merging is None:
+            merging = next(iter(book.poll(now=now)), None)
+        elif kind == "commit" and merging is not None:
+            merged += merging.num_tokens
+            book.commit(merging, sync_time_s=0.0, now=now)
+            merging = None
+        elif kind == "abort" and merging is not None:
+            book.abort(merging, now=now)
+            merging = None
+    if merging is not None:
+        book.abort(merging, now=float(len(events)))
+    pending = sum(e.num_tokens for e in book.fragments[0].pending.values())
+    assert merged + pending == 100 * sum(last_offer.values())
 
 
 def test_fencing_rejects_old_incarnations_and_stale_versions():

@@ -54,6 +54,10 @@ def test_decoupled_run_learns_and_keeps_the_ledger(decoupled):
     assert decoupled["tokens"] >= 12000
     assert decoupled["ledger_violations"] == []
     assert all(v["contributions_merged"] > 0 for v in decoupled["learners"].values())
+    shares = [v["merged_share"] for v in decoupled["learners"].values()]
+    assert all(0.0 < s <= 1.0 for s in shares)
+    # merged-work goodput counts only the step time whose work reached the global model
+    assert decoupled["goodput_merged"] < decoupled["goodput"]
     # the slow learner took fewer steps than the fast ones: nobody waited for it
     steps = {k: v["inner_steps"] for k, v in decoupled["learners"].items()}
     assert steps["learner-2"] < steps["learner-0"]
@@ -121,6 +125,46 @@ def test_sync_core_fences_non_finite_and_unknown_bases():
     assert core.offer(meta, wire.encode_tree(zeros, "float32"), now=0.0) is Verdict.ACCEPTED
     (pub,) = core.poll(now=10.0)
     assert pub.version == 1 and core.ledger.account("learner-0").merged == {0: 512}
+
+
+def _moved_by(tokens_small: int, tokens_large: int) -> float:
+    """How far one round moves fragment 0 when learner-0 offers a delta of 0.01 with
+    `tokens_small` tokens and learner-1 one of 0.03 (the same direction) with `tokens_large`."""
+    _, setup, core = _core()
+    paths = setup.plan.fragments[0]
+    for i, (size, tokens) in enumerate([(0.01, tokens_small), (0.03, tokens_large)]):
+        name = f"learner-{i}"
+        core.register(name, 0, now=0.0)
+        delta = {k: np.full(np.asarray(setup.init[k]).shape, size, np.float32) for k in paths}
+        meta = ContributionMeta(name, 0, 0, 0, 4, 4, tokens)
+        assert core.offer(meta, wire.encode_tree(delta, "float32"), now=0.0) is Verdict.ACCEPTED
+    before = {k: np.asarray(setup.init[k], np.float32) for k in paths}
+    (pub,) = core.poll(now=10.0)
+    assert len(pub.close.contributions) == 2
+    return float(sum(np.abs(core.values[0][k] - before[k]).sum() for k in paths))
+
+
+def test_sync_core_weights_contributions_by_their_tokens():
+    # Token weights tokens^2/steps: 512 and 2048 tokens in 4 steps weigh 1 and 16. Both deltas
+    # point the same way, so the merged norm is their weighted mean and the first outer step is
+    # linear in it: (1 x 0.01 + 16 x 0.03) / (16 x 0.01 + 1 x 0.03) = 0.49 / 0.19 times as far
+    # when the larger delta has the tokens. Uniform weights would move both rounds equally.
+    ratio = _moved_by(512, 2048) / _moved_by(2048, 512)
+    assert ratio == pytest.approx(0.49 / 0.19, rel=1e-3)
+
+
+def test_merged_share_is_the_work_that_reached_the_global_model():
+    _, setup, core = _core()
+    core.register("learner-0", 0, now=0.0)
+    core.report("learner-0", 0, now=0.0, step_time_s=1.0, cursor=1024)
+    paths = setup.plan.fragments[0]
+    zeros = {k: np.zeros_like(np.asarray(setup.init[k])) for k in paths}
+    meta = ContributionMeta("learner-0", 0, 0, 0, 4, 4, 512)
+    assert core.offer(meta, wire.encode_tree(zeros, "float32"), now=0.0) is Verdict.ACCEPTED
+    assert core.merged_shares() == {"learner-0": 0.0}  # pending is not merged
+    core.poll(now=10.0)
+    # half of its 1024 tokens merged into one of the 4 fragments
+    assert core.merged_shares() == {"learner-0": pytest.approx(512 / (4 * 1024))}
 
 
 def test_sync_core_state_round_trips():

@@ -1,0 +1,143 @@
+"""Layer: algorithm (pure, no Ray). The method's variants: each `diloco.*` choice that changes
+the math is a small function here, chosen once when a core is built (`Variants.of`), so that
+the merge, the round book and the learner read as the method and name the rule they apply.
+docs/decisions/020-variants-as-strategies.md says which variant is the default and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_diloco.config import DilocoConfig
+
+Values = dict[str, np.ndarray]
+
+# (learners the round merged, learners in the run) -> (scale of its outer gradient, the share
+# of one outer step it takes, momentum decay included: `outer.outer_step(fraction=...)`).
+RoundStep = Callable[[int, int], tuple[float, float]]
+
+
+def _share(merged: int, learners: int) -> float:
+    return min(1.0, merged / learners)
+
+
+def step_full(merged: int, learners: int) -> tuple[float, float]:
+    """A whole outer step, however few learners the round merged (algorithm.md section 6)."""
+    return 1.0, 1.0
+
+
+def step_share(merged: int, learners: int) -> tuple[float, float]:
+    """The gradient scaled by the share of the learners merged; momentum decays every round."""
+    return _share(merged, learners), 1.0
+
+
+def step_fraction(merged: int, learners: int) -> tuple[float, float]:
+    """The round is that share of an outer step: M one-learner rounds make one step of M."""
+    return 1.0, _share(merged, learners)
+
+
+def step_sqrt(merged: int, learners: int) -> tuple[float, float]:
+    """sqrt(share) of an outer step: a round of everyone is one step, one of 4 learners half."""
+    return 1.0, _share(merged, learners) ** 0.5
+
+
+def step_sqrt_each(merged: int, learners: int) -> tuple[float, float]:
+    """Each merged learner is 1/sqrt(learners) of a step, the round at most one."""
+    return 1.0, min(1.0, _share(merged, learners) * learners**0.5)
+
+
+ROUND_STEPS: dict[str, RoundStep] = {
+    "full": step_full,
+    "share": step_share,
+    "fraction": step_fraction,
+    "sqrt": step_sqrt,
+    "sqrt_each": step_sqrt_each,
+}
+
+# (merge weights, inner steps of each contribution, H) -> the share of the round's outer
+# gradient that goes through the outer optimizer (the rest moves G as it is).
+Accelerate = Callable[[Sequence[float], Sequence[int], int], float]
+
+
+def accelerate_all(weights: Sequence[float], steps: Sequence[int], sync_every: int) -> float:
+    """The whole outer gradient through the outer optimizer (algorithm.md section 6)."""
+    return 1.0
+
+
+def accelerate_window(weights: Sequence[float], steps: Sequence[int], sync_every: int) -> float:
+    """One sync window's worth: 1/m of a round whose contributions cover m > 1 windows of H
+    inner steps on weighted average (work trained through an outage is taken, not amplified)."""
+    total = sum(weights)
+    if total <= 0:
+        return 1.0
+    covered = sum(w * n for w, n in zip(weights, steps, strict=True))
+    return min(1.0, sync_every * total / covered) if covered > 0 else 1.0
+
+
+ACCELERATE: dict[str, Accelerate] = {"all": accelerate_all, "window": accelerate_window}
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Where a contribution's outer gradient is anchored (`diloco.outer_anchor`). `current`:
+    G - theta at the synchronizer's current value (algorithm.md section 6). `base`: the
+    learner's own update, base - theta, whatever happened to G since (Streaming DiLoCo)."""
+
+    own_update: bool
+
+    def start(self, current: Values, base: Values) -> Values:
+        """What an offer's wire delta (theta - its base) is added to, to hold it."""
+        return current if self.own_update else base
+
+    def values(self, theta: Values, held_at: Values, g: Values) -> Values:
+        """The contribution as the merge takes it, held as `theta` while G was `held_at` and
+        merged into `g`: a base-anchored one moves with G (G plus its own update)."""
+        if not self.own_update or held_at is g:
+            return theta
+        return {k: g[k] + (theta[k] - held_at[k]) for k in theta}
+
+
+ANCHORS = {"current": Anchor(own_update=False), "base": Anchor(own_update=True)}
+
+# (the learners a round merged, the live learners) -> who receives the merged fragment.
+Recipients = Callable[[set[str], Iterable[str]], list[str]]
+
+
+def to_all(merged: set[str], live: Iterable[str]) -> list[str]:
+    """Every live learner (algorithm.md section 5)."""
+    return list(live)
+
+
+def to_contributors(merged: set[str], live: Iterable[str]) -> list[str]:
+    """Only the learners the round merged (one version back per contribution)."""
+    return [n for n in live if n in merged]
+
+
+PUBLISH_TO: dict[str, Recipients] = {"all": to_all, "contributors": to_contributors}
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The synchronizer's variants, chosen once from the config."""
+
+    round_step: RoundStep
+    accelerate: Accelerate
+    anchor: Anchor
+    recipients: Recipients
+
+    @classmethod
+    def of(cls, d: DilocoConfig) -> Variants:
+        return cls(
+            ROUND_STEPS[d.round_step],
+            ACCELERATE[d.accelerate],
+            ANCHORS[d.outer_anchor],
+            PUBLISH_TO[d.publish_to],
+        )
+
+
+def scaled(scales: Mapping[str, float], factor: float) -> dict[str, float]:
+    """Each leaf's outer-gradient scale times `factor` (1.0 leaves them exactly as they are)."""
+    return {k: s * factor for k, s in scales.items()}

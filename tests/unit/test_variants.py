@@ -1,0 +1,76 @@
+"""The method's variants (algorithm/variants.py): one function per config choice, hand values."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import numpy as np
+import pytest
+
+from ray_diloco.algorithm import variants
+from ray_diloco.algorithm.rounds import LATE_POLICIES
+from ray_diloco.config import DilocoConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "table"),
+    [
+        ("round_step", variants.ROUND_STEPS),
+        ("accelerate", variants.ACCELERATE),
+        ("outer_anchor", variants.ANCHORS),
+        ("publish_to", variants.PUBLISH_TO),
+        ("late_policy", LATE_POLICIES),
+    ],
+)
+def test_every_config_choice_has_its_rule(field: str, table: dict) -> None:
+    assert set(get_args(DilocoConfig.model_fields[field].annotation)) == set(table)
+
+
+@pytest.mark.parametrize(
+    ("name", "one_of_four", "all_four"),
+    [
+        ("full", (1.0, 1.0), (1.0, 1.0)),
+        ("share", (0.25, 1.0), (1.0, 1.0)),
+        ("fraction", (1.0, 0.25), (1.0, 1.0)),
+        ("sqrt", (1.0, 0.5), (1.0, 1.0)),
+        ("sqrt_each", (1.0, 0.5), (1.0, 1.0)),
+    ],
+)
+def test_round_steps_hand_values(name: str, one_of_four: tuple, all_four: tuple) -> None:
+    step = variants.ROUND_STEPS[name]
+    assert step(1, 4) == pytest.approx(one_of_four)
+    assert step(4, 4) == pytest.approx(all_four)
+    # a merged learner that left no longer counts in the run: never more than one step
+    assert step(5, 4) == pytest.approx(all_four)
+
+
+def test_sqrt_each_depends_on_learners_merged_not_on_rounds() -> None:
+    # two learners of 4 in one round: 2/sqrt(4) = 1 step; with sqrt, sqrt(0.5) = 0.71
+    assert variants.step_sqrt_each(2, 4) == (1.0, 1.0)
+    assert variants.step_sqrt(2, 4)[1] == pytest.approx(0.5**0.5)
+
+
+def test_accelerate_window_takes_one_window_of_the_merged_work() -> None:
+    H = 8
+    assert variants.accelerate_window([1.0, 1.0], [8, 8], H) == 1.0
+    assert variants.accelerate_window([1.0, 1.0], [16, 16], H) == 0.5
+    # weighted by the merge weights: (3 x 8 + 1 x 40) / 4 = 16 steps on average, 2 windows
+    assert variants.accelerate_window([3.0, 1.0], [8, 40], H) == 0.5
+    assert variants.accelerate_all([1.0], [800], H) == 1.0
+
+
+def test_anchors() -> None:
+    g = {"w": np.array([1.0, 1.0], np.float32)}
+    held_at = {"w": np.array([0.0, 0.0], np.float32)}
+    theta = {"w": np.array([0.5, -0.5], np.float32)}
+    current, base = variants.ANCHORS["current"], variants.ANCHORS["base"]
+    assert current.values(theta, held_at, g) is theta
+    np.testing.assert_array_equal(base.values(theta, held_at, g)["w"], [1.5, 0.5])
+    assert base.values(theta, g, g) is theta  # held against this very G: nothing moved
+    assert current.start(g, held_at) is held_at and base.start(g, held_at) is g
+
+
+def test_recipients() -> None:
+    live = ["a", "b", "c"]
+    assert variants.to_all({"b"}, live) == live
+    assert variants.to_contributors({"b", "x"}, live) == ["b"]
