@@ -291,7 +291,7 @@ class LearnerCore:
 
     def _mix_in(self, p: int, version: int, values: Mapping[str, np.ndarray]) -> None:
         """`keep_unsent_work: false`: the new version overwrites the learner's values, keeping
-        `mixing_alpha` of them (algorithm.md section 4 with Streaming DiLoCo's mixing). The
+        `mixing_alpha` of them (docs/algorithm.md section 4 with Streaming DiLoCo's mixing). The
         steps since its last offer on p are lost to the global model: counted."""
         self.overwritten_tokens += self.tokens_since[p] - self.offered_tokens[p]
         self._overwrite(p, version, values, alpha=self.cfg.diloco.mixing_alpha)

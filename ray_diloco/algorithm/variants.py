@@ -25,7 +25,7 @@ def _share(merged: int, learners: int) -> float:
 
 
 def step_full(merged: int, learners: int) -> tuple[float, float]:
-    """A whole outer step, however few learners the round merged (algorithm.md section 6)."""
+    """A whole outer step, however few learners the round merged (docs/algorithm.md section 6)."""
     return 1.0, 1.0
 
 
@@ -63,7 +63,7 @@ Accelerate = Callable[[Sequence[float], Sequence[int], int], float]
 
 
 def accelerate_all(weights: Sequence[float], steps: Sequence[int], sync_every: int) -> float:
-    """The whole outer gradient through the outer optimizer (algorithm.md section 6)."""
+    """The whole outer gradient through the outer optimizer (docs/algorithm.md section 6)."""
     return 1.0
 
 
@@ -83,7 +83,7 @@ ACCELERATE: dict[str, Accelerate] = {"all": accelerate_all, "window": accelerate
 @dataclass(frozen=True)
 class Anchor:
     """Where a contribution's outer gradient is anchored (`diloco.outer_anchor`). `current`:
-    G - theta at the synchronizer's current value (algorithm.md section 6). `base`: the
+    G - theta at the synchronizer's current value (docs/algorithm.md section 6). `base`: the
     learner's own update, base - theta, whatever happened to G since (Streaming DiLoCo)."""
 
     own_update: bool
@@ -107,7 +107,7 @@ Recipients = Callable[[set[str], Iterable[str]], list[str]]
 
 
 def to_all(merged: set[str], live: Iterable[str]) -> list[str]:
-    """Every live learner (algorithm.md section 5)."""
+    """Every live learner (docs/algorithm.md section 5)."""
     return list(live)
 
 
