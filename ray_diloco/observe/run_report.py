@@ -21,6 +21,14 @@ from ray_diloco.observe.report import duration, human, state_word
 
 PICTURES = ("loss_timeline.png", "rounds.png", "goodput.png", "links.png")
 REPORT_FILES = ("report.html", *PICTURES)
+# Everything a run writes in its run dir but its checkpoints and compilation cache.
+RUN_FILES = (
+    "summary.json",
+    "metrics.jsonl",
+    "events.jsonl",
+    "config.json",
+    *REPORT_FILES,
+)
 CAPTIONS = {
     "loss_timeline.png": "Held-out loss of the global parameters against run time, with "
     "injected faults, detected failures and recoveries; below, each learner's state over time.",

@@ -74,6 +74,13 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
     kinds = {json.loads(ln)["kind"] for ln in (run_dir / "events.jsonl").read_text().splitlines()}
     assert {"run_started", "learner_state_changed", "round_closed", "run_finished"} <= kinds
     assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / "synchronizer").iterdir())
+    # A rerun on the finished run is refused before it starts anything, and deletes nothing.
+    from ray_diloco.config import ConfigError
+
+    with pytest.raises(ConfigError, match="holds a finished run; pass --overwrite"):
+        run_training(cfg, progress=points.append)
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 6
+    assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / "synchronizer").iterdir())
 
 
 @pytest.mark.timeout(150)
