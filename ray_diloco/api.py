@@ -28,7 +28,6 @@ from ray_diloco.config import (
     apply_overrides,
     build_config,
     check_output_dir,
-    config_digest,
     dump_config,
     load_config,
 )
@@ -97,12 +96,14 @@ class Trainer:
         task_args: Mapping[str, Any] | None = None,
         overrides: Sequence[str] = (),
     ) -> None:
+        # What the config leaves unset stays unset (a default fitted to the task, such as
+        # diloco.num_fragments, is fitted only where the user did not choose it).
         if isinstance(config, RunConfig):
-            tree = config.model_dump(mode="json")
+            tree = config.model_dump(mode="json", exclude_unset=True)
         elif isinstance(config, Mapping):
             tree = dict(config)
         else:
-            tree = load_config(config).model_dump(mode="json")
+            tree = load_config(config).model_dump(mode="json", exclude_unset=True)
         if task is not None:
             spec = task_spec(task)
             if spec != tree.get("task") and task_args is None:
@@ -138,7 +139,7 @@ class Trainer:
     def simulate(self, progress: bool = False, overwrite: bool = False) -> Result:
         """The in-process reference run of the same config on a virtual clock (no Ray). A run
         dir that holds a run raises a ConfigError unless `overwrite` replaces it."""
-        from ray_diloco.algorithm.setup import check_task
+        from ray_diloco.algorithm.setup import check_task, fitted_config
         from ray_diloco.control.run_dir import Action, delete_run, run_dir_action
         from ray_diloco.observe.report import progress_line, write_json
         from ray_diloco.observe.run_report import RUN_FILES
@@ -147,8 +148,10 @@ class Trainer:
         cfg = self.config
         check_output_dir(cfg.run_dir, "run_dir")  # before a run whose results it cannot keep
         run_dir = Path(cfg.run_dir).absolute()
-        digest = config_digest(cfg.model_copy(update={"run_dir": str(run_dir)}))
-        action = run_dir_action(run_dir, digest, overwrite=overwrite, resumable=False)
+        # A reference run resumes nothing: any run the run dir holds is refused, whatever its
+        # config.
+        action = run_dir_action(run_dir, None, overwrite=overwrite, resumable=False)
+        cfg = fitted_config(cfg)
         check_task(cfg)
         if action is Action.OVERWRITE:
             delete_run(run_dir, RUN_FILES)

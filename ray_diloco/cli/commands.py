@@ -80,9 +80,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # accelerator.
     os.environ["JAX_PLATFORMS"] = "cpu"
     from ray_diloco.algorithm.memory import learner_memory
-    from ray_diloco.algorithm.setup import fragment_plan, task_of
+    from ray_diloco.algorithm.setup import fitted_config, fragment_plan, task_of
 
     task = task_of(cfg)
+    cfg = fitted_config(cfg, task)
     result = plan.make_plan(cfg, cluster, fragment_plan(cfg, task).sizes, learner_memory(cfg, task))
     print(plan.render(result))
     return 1 if result.problems else 0

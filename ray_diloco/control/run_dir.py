@@ -41,9 +41,9 @@ class RunDirState:
     held: Held
     config_digest: str | None  # the digest the run's tape names (None: no tape)
 
-    def describe(self, digest: str) -> str:
+    def describe(self, digest: str | None) -> str:
         """E.g. "a finished run" or "an unfinished run of another config (digest ...)"."""
-        if self.config_digest in (None, digest):
+        if digest is None or self.config_digest in (None, digest):
             return self.held.value
         return f"{self.held.value} of another config (digest {self.config_digest}, not {digest})"
 
@@ -59,20 +59,21 @@ def read_run_dir(run_dir: Path) -> RunDirState:
 
 def run_dir_action(
     run_dir: Path,
-    digest: str,
+    digest: str | None,
     resume: bool = False,
     overwrite: bool = False,
     resumable: bool = True,
 ) -> Action:
     """What a run of config `digest` does with `run_dir`; a ConfigError (one line, naming what
     the run dir holds and the flag) where it may not go on without being told. A run that is
-    not `resumable` (a reference run) is refused an unfinished run too."""
+    not `resumable` (a reference run) is refused an unfinished run too. Without a `digest`
+    the config is not compared: what is refused whatever the config is refused."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: pass one of them, not both")
     state = read_run_dir(run_dir)
     if overwrite:
         return Action.OVERWRITE if state.held is not Held.NOTHING else Action.START
-    same = state.config_digest in (None, digest)
+    same = digest is None or state.config_digest in (None, digest)
     if state.held is Held.UNFINISHED and same and resumable:
         return Action.RESUME
     if state.held is Held.NOTHING:

@@ -91,21 +91,23 @@ def run_training(
     config's raises a ConfigError unless `overwrite` (`control/run_dir.py`)."""
     check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
     run_dir = Path(cfg.run_dir).absolute()
-    digest = config_digest(cfg.model_copy(update={"run_dir": str(run_dir)}))
-    action = run_dir_action(run_dir, digest, resume, overwrite)
+    # What needs no config digest is refused before Ray starts (a finished run, nothing to
+    # resume); the digest is the fitted config's, known once the task was built (below).
+    run_dir_action(run_dir, None, resume, overwrite)
     embedded, dashboard_url = _connect(cfg, address, dashboard)
     try:
         # Before any actor starts: a task that cannot be built, fragmented or trained ends
         # the run here with one error line (JAX in the driver, after Ray has started).
-        from ray_diloco.algorithm.setup import check_task
+        from ray_diloco.algorithm.setup import check_task, fitted_config
 
         # The run's compilation cache, as its actors use it: `check_task` compiles a train
         # step and an evaluation (8.9 s on 2 cores beside a busy process, 2.7 s loaded from
         # the cache), which a rerun or a resumed run of this run dir then loads.
         use_compilation_cache(cfg)
+        cfg = fitted_config(cfg).model_copy(update={"run_dir": str(run_dir)})  # (any cwd)
+        action = run_dir_action(run_dir, config_digest(cfg), resume, overwrite)
         logger.info("task checked: %s", check_task(cfg))
         elapsed_s = _prepare_run_dir(cfg, run_dir, action)
-        cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd
         dump_config(cfg, run_dir / "config.json")
         run = _Run(cfg, progress or _quiet, stop_when, elapsed_s, dashboard_url)
         return run.execute(stop_synchronizer or embedded)

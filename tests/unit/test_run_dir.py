@@ -1,7 +1,7 @@
 """A rerun never destroys a run: `train` on a run dir holding a finished run, or a run of
 another config, is one `error:` line naming what the run dir holds and `--overwrite`, exit 2,
 and every file left as it was; an unfinished run of the same config resumes; `--resume` and
-`--overwrite` say what to do explicitly. The refusals come before Ray or JAX starts."""
+`--overwrite` say what to do explicitly. A finished run is refused before Ray or JAX starts."""
 
 from __future__ import annotations
 
@@ -44,15 +44,16 @@ def _files(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("finished", "overrides", "names"),
+    ("command", "finished", "overrides", "names"),
     [
-        (True, [], "holds a finished run; pass --overwrite"),
-        (False, ["--set", "seed=1"], "holds an unfinished run of another config (digest "),
-        (True, ["--set", "seed=1"], "holds a finished run of another config"),
+        ("train", True, [], "holds a finished run; pass --overwrite"),
+        ("train", True, ["--set", "seed=1"], "holds a finished run; pass --overwrite"),
+        ("simulate", True, [], "holds a finished run; pass --overwrite"),
+        # A reference run resumes nothing: an unfinished run is refused whatever its config.
+        ("simulate", False, [], "holds an unfinished run; pass --overwrite"),
     ],
 )
-@pytest.mark.parametrize("command", ["train", "simulate"])
-def test_a_rerun_on_a_finished_run_or_another_config_is_refused_and_deletes_nothing(
+def test_a_rerun_on_a_finished_run_is_refused_before_ray_starts_and_deletes_nothing(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     command: str,
@@ -73,12 +74,21 @@ def test_a_rerun_on_a_finished_run_or_another_config_is_refused_and_deletes_noth
     assert _files(tmp_path) == before
 
 
-def test_an_unfinished_run_of_the_same_config_resumes(tmp_path: Path) -> None:
+def test_an_unfinished_run_resumes_with_its_own_config_only(tmp_path: Path) -> None:
+    # (`train` compares the config once its task is built, after Ray started: here directly.)
     digest = _digest(tmp_path)
     _a_run(tmp_path, digest, finished=False)
     assert read_run_dir(tmp_path).held is Held.UNFINISHED
     assert run_dir_action(tmp_path, digest) is Action.RESUME
     assert run_dir_action(tmp_path, digest, resume=True) is Action.RESUME
+    other = _digest(tmp_path, "seed=1")
+    with pytest.raises(ConfigError) as err:
+        run_dir_action(tmp_path, other)
+    assert f"holds an unfinished run of another config (digest {digest}, not {other})" in str(
+        err.value
+    )
+    assert "rerun it with its own config (config.json there) to resume it" in str(err.value)
+    assert run_dir_action(tmp_path, other, overwrite=True) is Action.OVERWRITE
     with pytest.raises(ConfigError, match="holds an unfinished run; pass --overwrite"):
         run_dir_action(tmp_path, digest, resumable=False)  # a reference run resumes nothing
 
