@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +185,16 @@ def total_inner_steps(cfg: RunConfig, task: Task) -> int:
     total_batch = sum(lg.batch_size for lg in cfg.learners)
     tokens = cfg.inner.decay_tokens or cfg.token_budget
     return max(1, tokens // (total_batch * task.data.tokens_per_example))
+
+
+def learning_rate(cfg: RunConfig, task: Task) -> Callable[[int], float] | None:
+    """The inner learning rate at a learner's inner step, as the config's AdamW schedules it
+    (a restarted learner resumes its schedule at its step, learner_core.py); None for a task
+    that brings its own optimizer, whose schedule is its own."""
+    if task.optimizer is not None:
+        return None
+    schedule = inner.make_lr_schedule(cfg.inner, total_inner_steps(cfg, task))
+    return lambda step: float(schedule(step))
 
 
 @dataclass

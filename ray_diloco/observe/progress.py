@@ -14,13 +14,15 @@ Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `he
 `rounds`, `contributors` (mean per round), `live`, `goodput`, `uptime`, `restarts` and
 `recovery` (median seconds per fault kind), `bytes_up`/`bytes_down` (per learner link),
 `learners` (per learner: region, state, since, incarnation, restarts, degraded, steps_per_s,
-merged, last_merge_t) and `dashboard_url` (the Ray dashboard, when there is one).
+merged, last_merge_t, and its training curve: `step` (inner steps), `tokens` (its data cursor),
+`loss` (the training loss of its last reported step) and `lr` (the inner learning rate at that
+step)) and `dashboard_url` (the Ray dashboard, when there is one).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +44,16 @@ class _Learner:
 
 class ProgressTracker:
     def __init__(
-        self, budget: int, regions: Mapping[str, str], dashboard_url: str | None = None
+        self,
+        budget: int,
+        regions: Mapping[str, str],
+        dashboard_url: str | None = None,
+        lr_at: Callable[[int], float] | None = None,
     ) -> None:
+        """`lr_at(step)`: the inner learning rate at a learner's step, where the run's
+        schedule is known (None: the task brings its own optimizer)."""
         self.budget, self.regions, self.dashboard_url = budget, dict(regions), dashboard_url
+        self.lr_at = lr_at
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._learners = {name: _Learner() for name in regions}
 
@@ -104,7 +113,8 @@ class ProgressTracker:
             seen.state, seen.since = state, t
         # The synchronizer's step of the learner survives restarts (a new incarnation resumes
         # at its ledger cursor), so the rate never jumps back.
-        step = st.learners[name].step if name in st.learners else 0
+        progress = st.learners.get(name)
+        step = progress.step if progress is not None else 0
         rate = None
         if seen.step is not None and t > seen.step_t:
             rate = max(0.0, (step - seen.step) / (t - seen.step_t))
@@ -123,6 +133,10 @@ class ProgressTracker:
             "steps_per_s": rate,
             "merged": merged,
             "last_merge_t": seen.merged_t,
+            "step": step,
+            "tokens": progress.cursor if progress is not None else 0,
+            "loss": progress.loss if progress is not None else None,
+            "lr": self.lr_at(step) if self.lr_at is not None and progress is not None else None,
         }
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from ray_diloco.control.recovery import fault_outcomes
 from ray_diloco.observe.record import RunRecord
 from ray_diloco.observe.report import duration, human, state_word
+from ray_diloco.observe.telemetry import TENSORBOARD_DIR
 
 PICTURES = ("loss_timeline.png", "rounds.png", "goodput.png", "links.png")
 REPORT_FILES = ("report.html", *PICTURES)
@@ -27,6 +28,8 @@ RUN_FILES = (
     "metrics.jsonl",
     "events.jsonl",
     "config.json",
+    TENSORBOARD_DIR,
+    "wandb",  # an offline W&B run (metrics.wandb.mode)
     *REPORT_FILES,
 )
 CAPTIONS = {

@@ -43,6 +43,7 @@ from ray_diloco.control.tape import read_tape
 from ray_diloco.observe.progress import ProgressTracker
 from ray_diloco.observe.report import write_json
 from ray_diloco.observe.run_report import RUN_FILES, write_report
+from ray_diloco.observe.telemetry import Telemetry
 from ray_diloco.runtime.connect import connect
 from ray_diloco.runtime.learner.compile_cache import use_compilation_cache
 from ray_diloco.runtime.learner.group import regions_are_labelled
@@ -227,7 +228,11 @@ class _Run:
         self.sup: Any = None
         self.done = False
         regions = {lg.name: lg.region for lg in cfg.learners}
-        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url)
+        from ray_diloco.algorithm.setup import learning_rate, task_of  # (JAX after Ray)
+
+        lr_at = learning_rate(cfg, task_of(cfg))  # the task `check_task` built: cached
+        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url, lr_at)
+        self.telemetry = Telemetry(cfg, self.run_dir, self.t0)
 
     def execute(self, stop_synchronizer: bool) -> dict[str, Any]:
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -245,6 +250,7 @@ class _Run:
             self._check_synchronizer()
             return self._finish(self._watch())
         finally:
+            self.telemetry.close()
             self._teardown(stop_synchronizer)
             self._report()
 
@@ -299,6 +305,7 @@ class _Run:
         point = self.tracker.point(self._t(), st, sup)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(point) + "\n")
+        self.telemetry.write(point)
         self.progress(point)
         return st, sup
 
