@@ -99,31 +99,55 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) ->
     return "\n".join(lines)
 
 
-SUMMARY_FIELDS = (
-    ("mode", "mode"),
-    ("tokens", "tokens trained"),
-    ("heldout_loss", "held-out loss (global params)"),
-    ("rounds", "rounds (merges)"),
-    ("mean_contributors", "mean contributors per round"),
-    ("bytes_total", "bytes moved"),
-    ("bytes_per_token", "bytes per token"),
-    ("dp_bytes_per_token", "data-parallel bytes per token"),
-    ("goodput", "goodput"),
-    ("uptime", "uptime"),
-    ("wall_time_s", "wall time (s)"),
-    ("virtual_time_s", "virtual time (s)"),
-    ("stop_reason", "stopped because"),
-)
+def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The run's key figures as (measure, value with its unit): what the terminal prints at the
+    end of a run (`summary_table`) and the run report shows, the same rows in the same order.
+    From a run's summary (a Ray run's or a reference run's) or, for a run still going, from
+    its newest progress point (`observe/run_report.py` maps it to these keys); a row whose
+    figure is missing is left out."""
+    s = summary
+
+    def has(*keys: str) -> bool:
+        return all(s.get(k) is not None for k in keys)
+
+    rows: list[tuple[str, str]] = []
+    if has("mode"):
+        rows.append(("mode", str(s["mode"])))
+    if has("tokens"):
+        budget = f" of {human(s['token_budget'])}" if has("token_budget") else ""
+        rows.append(("tokens trained", f"{human(s['tokens'])}{budget} tokens"))
+    if has("heldout_loss"):
+        rows.append(("held-out loss (global params)", f"{s['heldout_loss']:.4f} nats/token"))
+    if has("rounds"):
+        rows.append(("rounds (merges)", f"{s['rounds']:,}"))
+    if has("mean_contributors"):
+        rows.append(("mean contributors per round", f"{s['mean_contributors']:.2f} learners"))
+    if has("bytes_total"):
+        per = f" ({s['bytes_per_token']:.1f} B/token)" if has("bytes_per_token") else ""
+        rows.append(("bytes moved (up + down)", f"{human(s['bytes_total'])}B{per}"))
+    if has("dp_bytes_per_token"):
+        rows.append(("data-parallel would move", f"{s['dp_bytes_per_token']:.1f} B/token"))
+    for key in ("goodput", "uptime"):
+        if has(key):
+            rows.append((key, f"{100 * s[key]:.1f}%"))
+    if has("tokens_per_s"):
+        rows.append(("throughput (whole run)", f"{human(s['tokens_per_s'])} tokens/s"))
+    if has("wall_time_s"):
+        rows.append(("wall time", f"{duration(s['wall_time_s'])} ({s['wall_time_s']:.1f} s)"))
+    if has("virtual_time_s"):
+        rows.append(("virtual time", f"{s['virtual_time_s']:.1f} s"))
+    if has("num_failures"):
+        rows.append(("failures detected", str(s["num_failures"])))
+    if "rejected" in s:
+        rejected = ", ".join(f"{k}: {v}" for k, v in sorted(s["rejected"].items()))
+        rows.append(("rejected contributions", rejected or "none"))
+    if has("stop_reason"):
+        rows.append(("stopped because", str(s["stop_reason"])))
+    return rows
 
 
 def summary_table(summary: Mapping[str, Any]) -> str:
-    rows = []
-    for key, label in SUMMARY_FIELDS:
-        if key not in summary:
-            continue
-        v = summary[key]
-        shown = human(v) if key in ("tokens", "bytes_total") else v
-        rows.append({"measure": label, "value": shown})
+    rows = [{"measure": m, "value": v} for m, v in summary_rows(summary)]
     return markdown_table(rows, ("measure", "value"))
 
 

@@ -398,6 +398,7 @@ def _summary(
         "num_params": st.num_params,
         "evals": [{**e, "t": e["time"] - t0} for e in st.evals],
         "tokens": tokens,
+        "token_budget": cfg.token_budget,
         "rounds": st.rounds,
         "mean_contributors": st.mean_contributors,
         "bytes_up": up,
