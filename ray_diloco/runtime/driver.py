@@ -231,7 +231,8 @@ class _Run:
         from ray_diloco.algorithm.setup import learning_rate, task_of  # (JAX after Ray)
 
         lr_at = learning_rate(cfg, task_of(cfg))  # the task `check_task` built: cached
-        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url, lr_at)
+        speeds = {lg.name: lg.speed for lg in cfg.learners}
+        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url, lr_at, speeds)
         self.telemetry = Telemetry(cfg, self.run_dir, self.t0)
 
     def execute(self, stop_synchronizer: bool) -> dict[str, Any]:
