@@ -188,7 +188,8 @@ class RunRecord:
 
     def training_curves(self) -> dict[str, list[dict[str, Any]]]:
         """Per learner, one entry per progress point where its step advanced: run time `t`,
-        `step`, its `tokens`, training `loss` and `lr` (None where not reported)."""
+        the run's tokens then (`run_tokens`), its `step`, its own `tokens`, training `loss` and
+        `lr` (None where not reported)."""
         out: dict[str, list[dict[str, Any]]] = {}
         for p in self.points:
             for name, ls in (p.get("learners") or {}).items():
@@ -199,6 +200,7 @@ class RunRecord:
                 curve.append(
                     {
                         "t": p["t"],
+                        "run_tokens": p.get("tokens", 0),
                         "step": step,
                         "tokens": ls.get("tokens", 0),
                         "loss": ls.get("loss"),

@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from ray_diloco.control.events import (
     FailureDetected,
@@ -27,11 +27,14 @@ from ray_diloco.control.events import (
     SynchronizerLost,
 )
 from ray_diloco.observe.record import grace_on
+from ray_diloco.observe.report import human
 
 if TYPE_CHECKING:
     from ray_diloco.observe.record import RunRecord
 
 TIME_LABEL = "run time (s since the run started)"
+TOKENS_LABEL = "tokens trained (the whole run's)"
+TOKENS = FuncFormatter(lambda x, _: human(x))
 # Learner states on the timeline, in legend order, with the words the live display uses.
 STATE_COLORS = {
     "starting": ("#c7c7c7", "starting"),
@@ -148,20 +151,21 @@ def training(rec: RunRecord) -> Figure:
     colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
     curves = rec.training_curves()
     evals = sorted((e.t, e.tokens, e.loss) for e in rec.events if isinstance(e, HeldoutEvaluated))
-    for ax, x in ((by_tokens, "tokens"), (by_time, "t")):
+    for ax, x in ((by_tokens, "run_tokens"), (by_time, "t")):
         for name in names:
             pts = [p for p in curves.get(name, []) if p["loss"] is not None]
             if pts:
                 xs = [p[x] for p in pts]
                 ax.plot(xs, [p["loss"] for p in pts], color=colors[name], lw=1.2, alpha=0.85)
         if evals:
-            xs = [e[1] if x == "tokens" else e[0] for e in evals]
+            xs = [e[1] if x == "run_tokens" else e[0] for e in evals]
             ax.plot(xs, [e[2] for e in evals], "o-", color="black", markersize=3, lw=1.5)
         if not evals and not any(curves.values()):
             _empty(ax, "no loss reported yet")
         ax.grid(alpha=0.3)
     by_tokens.set_ylabel("loss (nats/token)")
-    by_tokens.set_xlabel("tokens (a learner's own; the run's for the held-out loss)")
+    by_tokens.set_xlabel(TOKENS_LABEL)
+    by_tokens.xaxis.set_major_formatter(TOKENS)
     by_time.set_xlabel(TIME_LABEL)
     handles = [Line2D([], [], color=colors[n], label=f"{rec.label(n)} training") for n in names]
     handles.append(
@@ -173,10 +177,11 @@ def training(rec: RunRecord) -> Figure:
         pts = [p for p in curves.get(name, []) if p["lr"] is not None]
         if pts:
             lrs = True
-            lr_ax.plot([p["tokens"] for p in pts], [p["lr"] for p in pts], color=colors[name])
+            lr_ax.plot([p["run_tokens"] for p in pts], [p["lr"] for p in pts], color=colors[name])
     if not lrs:
         _empty(lr_ax, "learning rate not known (the task brings its own optimizer)")
-    lr_ax.set_xlabel("tokens (the learner's own)")
+    lr_ax.set_xlabel(TOKENS_LABEL)
+    lr_ax.xaxis.set_major_formatter(TOKENS)
     lr_ax.set_ylabel("inner learning rate")
     lr_ax.grid(alpha=0.3)
     pts = [p for p in rec.points if p.get("tokens_per_s") is not None and "t" in p]
@@ -299,8 +304,8 @@ def links(rec: RunRecord) -> Figure:
     """Each region's link to the synchronizer: the rate it carried up and down (its learners
     together, between progress polls) against the emulated link's capacity; and the bytes
     each learner moved in all."""
-    fig = Figure(figsize=(11, 4.6), layout="constrained")
-    over_time, totals = fig.subplots(1, 2, width_ratios=[1.6, 1])
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    over_time, totals = fig.subplots(2, 1, height_ratios=[1.5, 1])
     rates = rec.link_rates()
     capacity = {r: 1e3 * v["bandwidth_gbps"] for r, v in rec.config.get("links", {}).items()}
     regions = sorted(rates)
@@ -308,12 +313,14 @@ def links(rec: RunRecord) -> Figure:
     if not rates:
         _empty(over_time, "no two progress points yet")
     handles: list[Any] = []
-    for region in regions:
+    for i, region in enumerate(regions):
+        width = 3.0 - 1.8 * i / len(regions)  # later regions thinner: equal rates stay visible
         for direction, style in (("up", "-"), ("down", "--")):
             series = rates[region][direction]
             if series:
                 ts, bps = zip(*series, strict=True)
-                over_time.plot(ts, [b / 1e6 for b in bps], style, color=colors[region], lw=1.3)
+                mbps = [b / 1e6 if b > 0 else math.nan for b in bps]  # (log scale: no zero)
+                over_time.plot(ts, mbps, style, color=colors[region], lw=width)
         label = rec_region_label(rec, region)
         if region in capacity:
             over_time.axhline(capacity[region], color=colors[region], ls=":", lw=2)
@@ -328,7 +335,7 @@ def links(rec: RunRecord) -> Figure:
     _outside_legend(over_time, handles)
     over_time.set_xlabel(TIME_LABEL)
     over_time.set_ylabel("Mbit/s")
-    over_time.set_yscale("symlog", linthresh=1.0)
+    over_time.set_yscale("log")  # a rate far below its link's capacity stays readable
     over_time.set_xlim(0, max(rec.end_t, 1.0))
     over_time.grid(alpha=0.3)
     names = rec.learner_names
@@ -344,7 +351,7 @@ def links(rec: RunRecord) -> Figure:
         color="#bbbbbb",
         label="down",
     )
-    totals.set_xticks(list(xs), [rec.label(n) for n in names], rotation=20, ha="right")
+    totals.set_xticks(list(xs), [rec.label(n) for n in names])
     totals.set_ylabel("MB in all")
     _outside_legend(totals)
     totals.grid(axis="y", alpha=0.3)
