@@ -297,11 +297,11 @@ def _check_heldout(cfg: RunConfig, setup: Setup) -> float:
 
 
 def _check_addressable(cfg: RunConfig, task: Task, num_parts: int, size: int) -> None:
-    """Examples are addressable (docs/contracts.md, Data): `2 * size` examples read as one
-    batch, as two batches of `size`, and the second of those read again from the cursor the
-    first ended at, are the same examples. A learner's batch may span two leases, and a
-    restarted learner reads from its ledger cursor: a source that breaks this trains on
-    other data than the ledger counts."""
+    """Examples are addressable (the DataSource contract, ray_diloco/task.py): `2 * size`
+    examples read as one batch, as two batches of `size`, and the second of those read again
+    from the cursor the first ended at, are the same examples. A learner's batch may span two
+    leases, and a restarted learner reads from its ledger cursor: a source that breaks this
+    trains on other data than the ledger counts."""
     data = task.data
     whole, _ = next(data.batches(0, num_parts, 0, 2 * size))
     halves = data.batches(0, num_parts, 0, size)
