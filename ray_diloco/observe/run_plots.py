@@ -167,7 +167,8 @@ def training(rec: RunRecord) -> Figure:
     by_tokens.set_xlabel(TOKENS_LABEL)
     by_tokens.xaxis.set_major_formatter(TOKENS)
     by_time.set_xlabel(TIME_LABEL)
-    handles = [Line2D([], [], color=colors[n], label=f"{rec.label(n)} training") for n in names]
+    drawn = [n for n in names if any(p["loss"] is not None for p in curves.get(n, []))]
+    handles = [Line2D([], [], color=colors[n], label=f"{rec.label(n)} training") for n in drawn]
     handles.append(
         Line2D([], [], color="black", marker="o", markersize=3, label="held-out (global params)")
     )
@@ -179,7 +180,7 @@ def training(rec: RunRecord) -> Figure:
             lrs = True
             lr_ax.plot([p["run_tokens"] for p in pts], [p["lr"] for p in pts], color=colors[name])
     if not lrs:
-        _empty(lr_ax, "learning rate not known (the task brings its own optimizer)")
+        _empty(lr_ax, "no learning rate reported")
     lr_ax.set_xlabel(TOKENS_LABEL)
     lr_ax.xaxis.set_major_formatter(TOKENS)
     lr_ax.set_ylabel("inner learning rate")
@@ -188,7 +189,7 @@ def training(rec: RunRecord) -> Figure:
     if pts:
         rate_ax.plot([p["t"] for p in pts], [p["tokens_per_s"] for p in pts], color="#1f4e79")
     else:
-        _empty(rate_ax, "no progress point yet")
+        _empty(rate_ax, "no throughput in the progress points yet")
     rate_ax.set_xlabel(TIME_LABEL)
     rate_ax.set_ylabel("tokens/s (last 10 s)")
     rate_ax.set_ylim(bottom=0)
