@@ -315,7 +315,7 @@ class ElasticConfig(_Frozen):
 
 class WandbConfig(_Frozen):
     """Weights & Biases logging of the driver's progress points (`wandb` is imported only when
-    this is enabled; install it yourself)."""
+    this is enabled: `pip install ray_diloco[wandb]`)."""
 
     enabled: bool = Field(False, description="log every progress point to W&B (off: no import)")
     project: str = Field("ray_diloco", description="the W&B project")
@@ -332,7 +332,9 @@ class MetricsConfig(_Frozen):
     tensorboard: bool = Field(
         True, description="TensorBoard event files in run_dir/tensorboard (one run per learner)"
     )
-    wandb: WandbConfig = WandbConfig()
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="Weights & Biases logging (off by default)"
+    )
 
 
 class RunConfig(_Frozen):

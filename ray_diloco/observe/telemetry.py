@@ -98,7 +98,7 @@ def _start_wandb(cfg: RunConfig, run_dir: Path) -> Any:
     except ImportError:
         raise ConfigError(
             "metrics.wandb.enabled=true: the wandb package is not installed; "
-            "`pip install wandb` or set metrics.wandb.enabled=false"
+            "`pip install ray_diloco[wandb]` or set metrics.wandb.enabled=false"
         ) from None
     return wandb.init(
         project=w.project,
