@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from ray_diloco.control.events import LearnerState
-from ray_diloco.control.protocol import LearnerProgress, LearnerRow
+from ray_diloco.control.protocol import LearnerProgress, LearnerRow, SupervisorStatus
 from ray_diloco.observe import run_plots
 from ray_diloco.observe.display import render
 from ray_diloco.observe.progress import SLOW_FOR_S, SLOW_MARGIN, ProgressTracker
 from ray_diloco.observe.record import RunRecord
 from ray_diloco.observe.report import summary_rows, summary_table
 from ray_diloco.observe.run_report import render_html, write_report
-from tests.status_helpers import supervisor_status, sync_status
+from tests.status_helpers import sync_status
 from tests.unit.test_run_report import make_run
 
 
@@ -34,7 +34,7 @@ def _slow_flags(rates: dict[str, list[float]], speeds: dict[str, float]) -> list
             learners={n: LearnerProgress(int(s), 0, None, None, i, 0.0) for n, s in steps.items()}
         )
         training = {n: LearnerRow(LearnerState.TRAINING, 0, 0) for n in rates}
-        point = tracker.point(2.0 * i, st, supervisor_status(learners=training))
+        point = tracker.point(2.0 * i, st, SupervisorStatus(learners=training))
         flags.append({n: ls["slow"] for n, ls in point["learners"].items()})
     return flags
 

@@ -14,10 +14,10 @@ import pytest
 
 from ray_diloco.config import RunConfig, load_config
 from ray_diloco.control.events import LearnerState
-from ray_diloco.control.protocol import LearnerProgress, LearnerRow
+from ray_diloco.control.protocol import LearnerProgress, LearnerRow, SupervisorStatus
 from ray_diloco.observe.progress import ProgressTracker
 from ray_diloco.observe.telemetry import Telemetry
-from tests.status_helpers import supervisor_status, sync_status
+from tests.status_helpers import sync_status
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny_train.yaml"
@@ -43,7 +43,7 @@ def _points(lr_at: Any = None) -> list[dict[str, Any]]:
             },
         )
         training = {n: LearnerRow(LearnerState.TRAINING, 0, 0) for n in rep}
-        points.append(tracker.point(10.0 * (i + 1), st, supervisor_status(learners=training)))
+        points.append(tracker.point(10.0 * (i + 1), st, SupervisorStatus(learners=training)))
     return points
 
 
