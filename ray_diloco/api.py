@@ -96,12 +96,14 @@ class Trainer:
         task_args: Mapping[str, Any] | None = None,
         overrides: Sequence[str] = (),
     ) -> None:
+        # What the config leaves unset stays unset (a default fitted to the task, such as
+        # diloco.num_fragments, is fitted only where the user did not choose it).
         if isinstance(config, RunConfig):
-            tree = config.model_dump(mode="json")
+            tree = config.model_dump(mode="json", exclude_unset=True)
         elif isinstance(config, Mapping):
             tree = dict(config)
         else:
-            tree = load_config(config).model_dump(mode="json")
+            tree = load_config(config).model_dump(mode="json", exclude_unset=True)
         if task is not None:
             spec = task_spec(task)
             if spec != tree.get("task") and task_args is None:
@@ -112,28 +114,47 @@ class Trainer:
         apply_overrides(tree, list(overrides))
         self.config = build_config(tree, "ray_diloco.Trainer")
 
-    def fit(self, address: str | None = None, progress: bool = True) -> Result:
+    def fit(
+        self,
+        address: str | None = None,
+        progress: bool = True,
+        resume: bool = False,
+        overwrite: bool = False,
+    ) -> Result:
         """Train on Ray to the token budget (`ray_diloco.runtime.driver.run_training`); `progress`
-        shows the live display (plain lines when stdout is not a terminal)."""
+        shows the live display (plain lines when stdout is not a terminal). An unfinished run of
+        this config in the run dir resumes (`resume` insists on it); a finished run or another
+        config's raises a ConfigError unless `overwrite` replaces it."""
         from ray_diloco.observe.display import progress_display, run_title
         from ray_diloco.runtime.driver import run_training
 
         cfg = self.config
         display = progress_display(run_title(cfg)) if progress else contextlib.nullcontext()
         with display as show:
-            summary = run_training(cfg, address=address, progress=show)
+            summary = run_training(
+                cfg, address=address, progress=show, resume=resume, overwrite=overwrite
+            )
         return Result(summary, Path(cfg.run_dir).absolute(), cfg)
 
-    def simulate(self, progress: bool = False) -> Result:
-        """The in-process reference run of the same config on a virtual clock (no Ray)."""
-        from ray_diloco.algorithm.setup import check_task
+    def simulate(self, progress: bool = False, overwrite: bool = False) -> Result:
+        """The in-process reference run of the same config on a virtual clock (no Ray). A run
+        dir that holds a run raises a ConfigError unless `overwrite` replaces it."""
+        from ray_diloco.algorithm.setup import check_task, fitted_config
+        from ray_diloco.control.run_dir import Action, delete_run, run_dir_action
         from ray_diloco.observe.report import progress_line, write_json
+        from ray_diloco.observe.run_report import RUN_FILES
         from ray_diloco.sim.simulate import reference_run
 
         cfg = self.config
         check_output_dir(cfg.run_dir, "run_dir")  # before a run whose results it cannot keep
-        check_task(cfg)
         run_dir = Path(cfg.run_dir).absolute()
+        # A reference run resumes nothing: any run the run dir holds is refused, whatever its
+        # config.
+        action = run_dir_action(run_dir, None, overwrite=overwrite, resumable=False)
+        cfg = fitted_config(cfg)
+        check_task(cfg)
+        if action is Action.OVERWRITE:
+            delete_run(run_dir, RUN_FILES)
         show = (
             (lambda p: print(progress_line(p, cfg.token_budget), flush=True)) if progress else None
         )
@@ -148,8 +169,10 @@ def train(
     config: RunConfig | str | Path | Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Result:
-    """`Trainer(task, config, ...).fit()`; `address`/`progress` go to `fit`."""
-    fit_args = {k: kwargs.pop(k) for k in ("address", "progress") if k in kwargs}
+    """`Trainer(task, config, ...).fit()`; `address`/`progress`/`resume`/`overwrite` go to
+    `fit`."""
+    fit_keys = ("address", "progress", "resume", "overwrite")
+    fit_args = {k: kwargs.pop(k) for k in fit_keys if k in kwargs}
     return Trainer(task, config, **kwargs).fit(**fit_args)
 
 
@@ -158,6 +181,6 @@ def simulate(
     config: RunConfig | str | Path | Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Result:
-    """`Trainer(task, config, ...).simulate()`."""
-    progress = kwargs.pop("progress", False)
-    return Trainer(task, config, **kwargs).simulate(progress=progress)
+    """`Trainer(task, config, ...).simulate()`; `progress`/`overwrite` go to `simulate`."""
+    sim_args = {k: kwargs.pop(k) for k in ("progress", "overwrite") if k in kwargs}
+    return Trainer(task, config, **kwargs).simulate(**sim_args)

@@ -85,7 +85,7 @@ def plan_fragments(
     if len(leaf_sizes) < num_fragments:
         raise ValueError(
             f"diloco.num_fragments={num_fragments} exceeds the {len(leaf_sizes)} parameter "
-            "leaves (a leaf is never split); lower diloco.num_fragments"
+            f"leaves (a leaf is never split); set diloco.num_fragments to at most {len(leaf_sizes)}"
         )
     negative = {path: n for path, n in leaf_sizes.items() if n < 0}
     if negative:

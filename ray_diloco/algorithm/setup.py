@@ -4,9 +4,12 @@ held-out evaluation. The synchronizer actor, the learners and the in-process ref
 start here, so they agree on the parameters, the fragments and the data by construction.
 
 `check_task` is what the driver runs before any actor starts: it builds the task, fragments its
-parameters and computes one training loss, so a bad import path, a factory returning the wrong
-thing, a pytree that cannot be cut into `num_fragments` or a non-finite first loss ends the run
-with one error line instead of a crashed actor.
+parameters, computes one training loss, evaluates the held-out set and reads a few examples
+twice, so a bad import path, a factory returning the wrong thing, a pytree that cannot be cut
+into `num_fragments`, a held-out set that is not a list of batches, a data source whose examples
+move with the batching or a non-finite first loss ends the run with one error line (naming
+what failed) instead of a crashed actor. `fitted_config` gives a task with fewer parameter
+leaves than the default fragment count one fragment per leaf.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,11 +94,22 @@ def _plan(cfg: RunConfig, task: Task, layout: TreeLayout) -> FragmentPlan:
     mean_leaves = [p for p in layout.paths if task.merge_with_mean(p)]
     try:
         return plan_fragments(layout.sizes(), cfg.diloco.num_fragments, mean_leaves)
-    except ValueError as err:
-        raise ConfigError(
-            f"diloco.num_fragments={cfg.diloco.num_fragments}: {err} (the task's parameters "
-            f"have {len(layout.paths)} leaves)"
-        ) from None
+    except ValueError as err:  # it names diloco.num_fragments where the count is at fault
+        raise ConfigError(f"{err} (task {cfg.task})") from None
+
+
+def fitted_config(cfg: RunConfig, task: Task | None = None) -> RunConfig:
+    """`cfg` with the default `diloco.num_fragments` lowered to the task's parameter leaves
+    where it has fewer (a leaf is never split); a count the config sets is kept as it is (and
+    refused by `fragment_plan` if it does not fit). Every process of a run gets the fitted
+    config from its driver, so they agree on it."""
+    if "num_fragments" in cfg.diloco.model_fields_set:
+        return cfg
+    leaves = len(layout_of(cfg, task).paths)
+    if leaves >= cfg.diloco.num_fragments:
+        return cfg
+    diloco = cfg.diloco.model_copy(update={"num_fragments": leaves})
+    return cfg.model_copy(update={"diloco": diloco})
 
 
 def learner_specs(
@@ -173,6 +187,16 @@ def total_inner_steps(cfg: RunConfig, task: Task) -> int:
     return max(1, tokens // (total_batch * task.data.tokens_per_example))
 
 
+def learning_rate(cfg: RunConfig, task: Task) -> Callable[[int], float] | None:
+    """The inner learning rate at a learner's inner step, as the config's AdamW schedules it
+    (a restarted learner resumes its schedule at its step, learner_core.py); None for a task
+    that brings its own optimizer, whose schedule is its own."""
+    if task.optimizer is not None:
+        return None
+    schedule = inner.make_lr_schedule(cfg.inner, total_inner_steps(cfg, task))
+    return lambda step: float(schedule(step))
+
+
 @dataclass
 class Setup:
     """What every process of a run shares: the task, initial parameters, fragments and the
@@ -213,8 +237,9 @@ class Setup:
 
 def check_task(cfg: RunConfig) -> dict[str, Any]:
     """Build the task and fragment its parameters, then train-loss one batch of the first
-    learner and evaluate the held-out set: every problem is one ConfigError naming the field.
-    Returns what was found (parameters, leaves, first loss), for the run's log."""
+    learner, evaluate the held-out set and check that examples are addressable: every problem
+    is one ConfigError naming what failed and the fix. Returns what was found (parameters,
+    leaves, first loss), for the run's log."""
     setup = Setup.build(cfg)
     for learner in cfg.learners:  # each mesh can lay the parameters out
         learner_specs(cfg, setup.task, learner, tree=setup.layout)
@@ -230,18 +255,19 @@ def check_task(cfg: RunConfig) -> dict[str, Any]:
     params = {k: jax.numpy.asarray(v, setup.layout.dtypes[k]) for k, v in setup.init.items()}
     try:
         loss = float(step(params, inner.init_opt_state(tx, setup.layout, params), batch)[2])
-        heldout = setup.evaluate(setup.init)
     except ConfigError:
         raise
     except Exception as err:
         raise ConfigError(
             f"task: {cfg.task}: the first training step failed: {type(err).__name__}: {err}"
         ) from None
+    heldout = _check_heldout(cfg, setup)
     if not (math.isfinite(loss) and math.isfinite(heldout)):
         raise ConfigError(
             f"task: {cfg.task}: the first training loss is {loss} and the held-out loss "
             f"{heldout} at initialisation; fix the model's init or loss (or lower inner.lr)"
         )
+    _check_addressable(cfg, setup.task, cfg.num_learners, lg.batch_size)
     return {
         "task": cfg.task,
         "num_params": setup.num_params(),
@@ -249,3 +275,54 @@ def check_task(cfg: RunConfig) -> dict[str, Any]:
         "first_loss": loss,
         "tokens_per_batch": int(num_tokens),
     }
+
+
+HELDOUT_SHAPE = "data.heldout() must give a list of batches (`[batch]` for one), not a batch"
+
+
+def _check_heldout(cfg: RunConfig, setup: Setup) -> float:
+    """The held-out loss of the initial parameters; a ConfigError naming the evaluation."""
+    try:
+        first = setup.heldout[0]
+        if isinstance(first, str | bytes):  # the keys of a dict given as the batch
+            raise ConfigError(f"task: {cfg.task}: {HELDOUT_SHAPE} (it gave {first!r} first)")
+        return setup.evaluate(setup.init)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"task: {cfg.task}: the held-out evaluation failed: {type(err).__name__}: {err}; "
+            f"{HELDOUT_SHAPE}, each one the loss takes"
+        ) from None
+
+
+def _check_addressable(cfg: RunConfig, task: Task, num_parts: int, size: int) -> None:
+    """Examples are addressable (the DataSource contract, ray_diloco/task.py): `2 * size`
+    examples read as one batch, as two batches of `size`, and the second of those read again
+    from the cursor the first ended at, are the same examples. A learner's batch may span two
+    leases, and a restarted learner reads from its ledger cursor: a source that breaks this
+    trains on other data than the ledger counts."""
+    data = task.data
+    whole, _ = next(data.batches(0, num_parts, 0, 2 * size))
+    halves = data.batches(0, num_parts, 0, size)
+    (first, first_tokens), (second, _) = next(halves), next(halves)
+    resumed, _ = next(data.batches(0, num_parts, int(first_tokens), size))
+    joined = jax.tree.map(
+        lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), first, second
+    )
+    reads = {
+        f"one batch of {2 * size} against two of {size}": (whole, joined),
+        f"the second batch of {size} against a read from cursor {first_tokens}": (second, resumed),
+    }
+    for what, (a, b) in reads.items():
+        left, right = (jax.tree_util.tree_leaves_with_path(t) for t in (a, b))
+        same = [p for p, _ in left] == [p for p, _ in right] and all(
+            np.shape(x) == np.shape(y) and np.array_equal(np.asarray(x), np.asarray(y))
+            for (_, x), (_, y) in zip(left, right, strict=True)
+        )
+        if not same:
+            raise ConfigError(
+                f"task: {cfg.task}: data.batches() gives other examples for {what}; example e "
+                "of a part must be the same whichever batch it falls in and from whichever "
+                "cursor it is read (derive each example from its index, not from the batch)"
+            )

@@ -21,6 +21,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
+def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run run_dir holds, finished or of another config (its checkpoints "
+        "and records are deleted); without it such a run_dir is an error",
+    )
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from ray_diloco.api import Trainer
 
@@ -32,7 +41,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"wire={cfg.diloco.wire_dtype} budget={cfg.token_budget} tokens",
         flush=True,
     )
-    result = Trainer(config=cfg).simulate(progress=True)
+    result = Trainer(config=cfg).simulate(progress=True, overwrite=args.overwrite)
     print(summary_table(result.metrics))
     print(f"wrote {result.path / 'summary.json'}")
     return 0
@@ -50,6 +59,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             stop_synchronizer=not args.keep_synchronizer,
             progress=show,
             dashboard=args.dashboard,
+            resume=args.resume,
+            overwrite=args.overwrite,
         )
     print(summary_table(summary))
     run_dir = Path(cfg.run_dir).resolve()
@@ -69,9 +80,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # accelerator.
     os.environ["JAX_PLATFORMS"] = "cpu"
     from ray_diloco.algorithm.memory import learner_memory
-    from ray_diloco.algorithm.setup import fragment_plan, task_of
+    from ray_diloco.algorithm.setup import fitted_config, fragment_plan, task_of
 
     task = task_of(cfg)
+    cfg = fitted_config(cfg, task)
     result = plan.make_plan(cfg, cluster, fragment_plan(cfg, task).sizes, learner_memory(cfg, task))
     print(plan.render(result))
     return 1 if result.problems else 0
@@ -135,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         help="Ray address (default: RAY_ADDRESS or an embedded local Ray)",
     )
     train.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume the unfinished run of this config in run_dir (an error if there is none); "
+        "without it such a run resumes too, and a new run_dir starts a run",
+    )
+    _add_overwrite_arg(train)
+    train.add_argument(
         "--keep-synchronizer",
         action="store_true",
         help="leave the detached synchronizer running after the run",
@@ -157,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--log-level", default="WARNING")
     simulate = add_command(sub, "simulate")
     _add_config_args(simulate)
+    _add_overwrite_arg(simulate)
     config = add_command(sub, "config")
     _add_config_args(config)
     for name in OWN_PARSERS:  # listed here; they parse their own arguments

@@ -41,6 +41,7 @@ from ray_diloco.config.schema import (
     ScheduledFault,
     SupervisorConfig,
     SynchronizerConfig,
+    WandbConfig,
 )
 from ray_diloco.config.sims import BandwidthSimConfig, GoodputSimConfig
 
@@ -67,6 +68,7 @@ __all__ = [
     "ScheduledFault",
     "SupervisorConfig",
     "SynchronizerConfig",
+    "WandbConfig",
     "WireDtype",
     "add_config_args",
     "apply_overrides",

@@ -44,6 +44,8 @@ class OuterOptimizerConfig(_Frozen):
 
 
 Accelerator = Literal["cpu", "tpu-v5p", "tpu-v6e", "gpu"]
+
+
 class LearnerGroupConfig(_Frozen):
     """One learner: a group of hosts with its own batch size, placement and emulated speed."""
 
@@ -311,10 +313,28 @@ class ElasticConfig(_Frozen):
     remesh_steps: int = Field(30, ge=0, description="data-parallel pause per change, in steps")
 
 
+class WandbConfig(_Frozen):
+    """Weights & Biases logging of the driver's progress points (`wandb` is imported only when
+    this is enabled: `pip install ray_diloco[wandb]`)."""
+
+    enabled: bool = Field(False, description="log every progress point to W&B (off: no import)")
+    project: str = Field("ray_diloco", description="the W&B project")
+    entity: str | None = Field(None, description="the W&B team or user (None: your default)")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline: write the W&B run under run_dir to sync it later"
+    )
+
+
 class MetricsConfig(_Frozen):
     eval_every_s: float = Field(10.0, gt=0)
     log_every_s: float = Field(2.0, gt=0)
     export_ray_metrics: bool = True
+    tensorboard: bool = Field(
+        True, description="TensorBoard event files in run_dir/tensorboard (one run per learner)"
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="Weights & Biases logging (off by default)"
+    )
 
 
 class RunConfig(_Frozen):

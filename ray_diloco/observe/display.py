@@ -3,10 +3,12 @@
 On a terminal, a live `rich` view redrawn at every progress point (`observe/progress.py`): a bar
 over the token budget with the percentage, ETA, tokens/s, held-out loss, rounds and goodput, and a
 row per learner (region, state and since when, steps/s, contributions merged, the last one,
-restarts). While the learners boot it says so instead of showing rows of zeros. Anywhere else (CI,
-`ray job logs`, a pipe) it prints one plain line every `every_s` seconds, and at once when a learner
-goes down or the run leaves its boot. The library itself prints nothing: the CLI (or
-`Trainer.fit(progress=True)`) opens a display and passes it to the driver as its callback.
+restarts); "(slow)" marks a learner slower than its configured speed by `SLOW_MARGIN` for
+`SLOW_FOR_S` (`observe/progress.py`). While the learners boot it says so instead of showing
+rows of zeros. Anywhere else (CI, `ray job logs`, a pipe) it prints one plain line every
+`every_s` seconds, and at once when a learner goes down or the run leaves its boot. The
+library itself prints nothing: the CLI (or `Trainer.fit(progress=True)`) opens a display and
+passes it to the driver as its callback.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def _learner_table(point: Point) -> Table:
     t = point.get("t", 0.0)
     for name, ls in sorted((point.get("learners") or {}).items()):
         state = ls["state"]
-        word = state_word(state) + (" (slow)" if ls.get("degraded") else "")
+        word = state_word(state) + (" (slow)" if ls.get("slow") else "")
         rate = ls.get("steps_per_s")
         last = ls.get("last_merge_t")
         table.add_row(

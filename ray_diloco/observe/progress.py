@@ -14,19 +14,28 @@ Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `he
 `rounds`, `contributors` (mean per round), `live`, `goodput`, `uptime`, `restarts` and
 `recovery` (median seconds per fault kind), `bytes_up`/`bytes_down` (per learner link),
 `learners` (per learner: region, state, since, incarnation, restarts, degraded, steps_per_s,
-merged, last_merge_t) and `dashboard_url` (the Ray dashboard, when there is one).
+merged, last_merge_t, `slow` (see SLOW_MARGIN), and its training curve: `step` (inner
+steps), `tokens` (its data cursor), `loss` (the training loss of its last reported step) and
+`lr` (the inner learning rate at that step)) and `dashboard_url` (the Ray dashboard, when
+there is one).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray_diloco.control.protocol import SupervisorStatus, SynchronizerStatus
 
 RATE_WINDOW_S = 10.0
+# A learner is shown slow when its steps per second over the last SLOW_FOR_S of training,
+# divided by its configured `speed`, are below (1 - SLOW_MARGIN) of the median of the training
+# learners' (each divided by its own speed): a learner emulated 18% slower is as configured,
+# not slow, and one slow poll on a busy machine flags nothing.
+SLOW_MARGIN = 0.3
+SLOW_FOR_S = 20.0
 BOOT_STATES = frozenset({"starting", "compiling"})
 
 
@@ -38,13 +47,24 @@ class _Learner:
     step_t: float = 0.0
     merged: int | None = None
     merged_t: float | None = None
+    steps: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
 
 
 class ProgressTracker:
     def __init__(
-        self, budget: int, regions: Mapping[str, str], dashboard_url: str | None = None
+        self,
+        budget: int,
+        regions: Mapping[str, str],
+        dashboard_url: str | None = None,
+        lr_at: Callable[[int], float] | None = None,
+        speeds: Mapping[str, float] | None = None,
     ) -> None:
+        """`lr_at(step)`: the inner learning rate at a learner's step, where the run's
+        schedule is known (None: the task brings its own optimizer); `speeds`: each learner's
+        configured speed (default 1), the pace it is judged slow against."""
         self.budget, self.regions, self.dashboard_url = budget, dict(regions), dashboard_url
+        self.lr_at = lr_at
+        self.speeds = dict(speeds or {})
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._learners = {name: _Learner() for name in regions}
 
@@ -70,9 +90,35 @@ class ProgressTracker:
             "recovery": {kind: r["recovery_s_median"] for kind, r in sup.recovery.items()},
             "bytes_up": dict(st.bytes_up),
             "bytes_down": dict(st.bytes_down),
-            "learners": {name: self._learner(name, t, st, sup) for name in self._follow(sup)},
+            "learners": self._slow(
+                t, {name: self._learner(name, t, st, sup) for name in self._follow(sup)}
+            ),
             "dashboard_url": self.dashboard_url,
         }
+
+    def _slow(self, t: float, learners: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Mark `slow` each learner whose pace for its configured speed over the last
+        SLOW_FOR_S is SLOW_MARGIN below the median (see the constants)."""
+        paces: dict[str, float] = {}
+        for name, row in learners.items():
+            seen = self._learners[name]
+            if row["state"] != "training":
+                seen.steps.clear()  # a pace is judged over training time only
+                continue
+            seen.steps.append((t, row["step"]))
+            while len(seen.steps) > 2 and t - seen.steps[1][0] >= SLOW_FOR_S:
+                seen.steps.popleft()
+            t0, step0 = seen.steps[0]
+            if t - t0 >= SLOW_FOR_S:
+                paces[name] = (row["step"] - step0) / (t - t0) / self.speeds.get(name, 1.0)
+        ranked = sorted(paces.values())
+        median = ranked[len(ranked) // 2] if len(ranked) >= 2 else None
+        for name, row in learners.items():
+            pace = paces.get(name)
+            row["slow"] = (
+                median is not None and pace is not None and pace < (1 - SLOW_MARGIN) * median
+            )
+        return learners
 
     def _follow(self, sup: SupervisorStatus) -> list[str]:
         """The learners to show: the config's, and every learner that joined the running job
@@ -104,7 +150,8 @@ class ProgressTracker:
             seen.state, seen.since = state, t
         # The synchronizer's step of the learner survives restarts (a new incarnation resumes
         # at its ledger cursor), so the rate never jumps back.
-        step = st.learners[name].step if name in st.learners else 0
+        progress = st.learners.get(name)
+        step = progress.step if progress is not None else 0
         rate = None
         if seen.step is not None and t > seen.step_t:
             rate = max(0.0, (step - seen.step) / (t - seen.step_t))
@@ -123,6 +170,10 @@ class ProgressTracker:
             "steps_per_s": rate,
             "merged": merged,
             "last_merge_t": seen.merged_t,
+            "step": step,
+            "tokens": progress.cursor if progress is not None else 0,
+            "loss": progress.loss if progress is not None else None,
+            "lr": self.lr_at(step) if self.lr_at is not None and progress is not None else None,
         }
 
 

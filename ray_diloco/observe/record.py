@@ -5,6 +5,7 @@ config, the event tape, the progress points and the summary, read once for the r
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,26 @@ from ray_diloco.control.events import (
     SynchronizerLost,
     SynchronizerRestored,
 )
+from ray_diloco.control.goodput import compute_goodput
 from ray_diloco.control.recovery import fault_outcomes
 from ray_diloco.control.tape import read_tape
+
+UPTIME_WINDOW_S = 10.0  # compute_goodput needs one; the report reads only its goodput here
 
 
 class ReportError(ValueError):
     """The directory holds no run to report on."""
+
+
+def grace_on(config: dict[str, Any]) -> bool:
+    """Whether rounds of this config wait a grace window after quorum (never in synchronous
+    mode, a barrier: algorithm/round_types.py)."""
+    d = config.get("diloco", {})
+    return (
+        d.get("mode") != "synchronous"
+        and d.get("grace_fraction", 0) > 0
+        and d.get("grace_max_s", 0) > 0
+    )
 
 
 @dataclass(frozen=True)
@@ -153,6 +168,67 @@ class RunRecord:
             if o.recovered_t is not None:
                 times.add(o.recovered_t)
         return sorted(times)
+
+    def windowed_goodput(self, window_s: float, samples: int = 120) -> list[tuple[float, float]]:
+        """(t, goodput of the `window_s` before t): productive over allocated learner seconds
+        in that window alone (`control/goodput.py`'s accounting, differenced), so a fault or a
+        boot shows where it happened instead of being averaged into the whole run."""
+        end = self.end_t
+        if end <= 0:
+            return []
+        out = []
+        for i in range(1, samples + 1):
+            t = end * i / samples
+            now = compute_goodput(self.events, t, UPTIME_WINDOW_S)
+            before = compute_goodput(self.events, max(0.0, t - window_s), UPTIME_WINDOW_S)
+            allocated = now.allocated_s - before.allocated_s
+            if allocated > 0:
+                out.append((t, (now.productive_s - before.productive_s) / allocated))
+        return out
+
+    def training_curves(self) -> dict[str, list[dict[str, Any]]]:
+        """Per learner, one entry per progress point where its step advanced: run time `t`,
+        the run's tokens then (`run_tokens`), its `step`, its own `tokens`, training `loss` and
+        `lr` (None where not reported)."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for p in self.points:
+            for name, ls in (p.get("learners") or {}).items():
+                curve = out.setdefault(name, [])
+                step = ls.get("step")
+                if step is None or (curve and step <= curve[-1]["step"]):
+                    continue
+                curve.append(
+                    {
+                        "t": p["t"],
+                        "run_tokens": p.get("tokens", 0),
+                        "step": step,
+                        "tokens": ls.get("tokens", 0),
+                        "loss": ls.get("loss"),
+                        "lr": ls.get("lr"),
+                    }
+                )
+        return out
+
+    def link_rates(self) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        """Per region, per direction ("up", "down"): (t, bits per second) between consecutive
+        progress points, summed over the region's learners (they share its link)."""
+        pts = [p for p in self.points if "bytes_up" in p and "t" in p]
+        out: dict[str, dict[str, list[tuple[float, float]]]] = {}
+        for a, b in itertools.pairwise(pts):
+            dt = b["t"] - a["t"]
+            if dt <= 0:
+                continue
+            for key, direction in (("bytes_up", "up"), ("bytes_down", "down")):
+                by_region: dict[str, float] = {}
+                for name, nbytes in b[key].items():
+                    # A restarted synchronizer counts from its checkpoint again: no negative rate.
+                    moved = max(0, nbytes - a[key].get(name, 0))
+                    region = self.regions.get(name, "local")
+                    by_region[region] = by_region.get(region, 0.0) + 8 * moved / dt
+                for region, rate in by_region.items():
+                    series = out.setdefault(region, {"up": [], "down": []})[direction]
+                    series.append(((a["t"] + b["t"]) / 2, rate))
+        return out
 
     def link_totals(self) -> tuple[dict[str, int], dict[str, int]]:
         """Bytes up and down per learner: the summary's, else the newest progress point's."""

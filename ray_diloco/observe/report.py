@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,31 +99,67 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) ->
     return "\n".join(lines)
 
 
-SUMMARY_FIELDS = (
-    ("mode", "mode"),
-    ("tokens", "tokens trained"),
-    ("heldout_loss", "held-out loss (global params)"),
-    ("rounds", "rounds (merges)"),
-    ("mean_contributors", "mean contributors per round"),
-    ("bytes_total", "bytes moved"),
-    ("bytes_per_token", "bytes per token"),
-    ("dp_bytes_per_token", "data-parallel bytes per token"),
-    ("goodput", "goodput"),
-    ("uptime", "uptime"),
-    ("wall_time_s", "wall time (s)"),
-    ("virtual_time_s", "virtual time (s)"),
-    ("stop_reason", "stopped because"),
+def _tokens(s: Mapping[str, Any]) -> str:
+    budget = f" of {human(s['token_budget'])}" if s.get("token_budget") is not None else ""
+    return f"{human(s['tokens'])}{budget} tokens"
+
+
+def _bytes(s: Mapping[str, Any]) -> str:
+    per = f" ({s['bytes_per_token']:.1f} B/token)" if s.get("bytes_per_token") is not None else ""
+    return f"{human(s['bytes_total'])}B{per}"
+
+
+def _rejected(s: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(s["rejected"].items())) or "none"
+
+
+# (key, measure, the value with its unit): one row each where the key has a figure.
+SUMMARY_ROWS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
+    ("mode", "mode", lambda s: str(s["mode"])),
+    ("tokens", "tokens trained", _tokens),
+    (
+        "heldout_loss",
+        "held-out loss (global params)",
+        lambda s: f"{s['heldout_loss']:.4f} nats/token",
+    ),
+    ("rounds", "rounds (merges)", lambda s: f"{s['rounds']:,}"),
+    (
+        "mean_contributors",
+        "mean contributors per round",
+        lambda s: f"{s['mean_contributors']:.2f} learners",
+    ),
+    ("bytes_total", "bytes moved (up + down)", _bytes),
+    (
+        "dp_bytes_per_token",
+        "data-parallel would move",
+        lambda s: f"{s['dp_bytes_per_token']:.1f} B/token",
+    ),
+    ("goodput", "goodput", lambda s: f"{100 * s['goodput']:.1f}%"),
+    ("uptime", "uptime", lambda s: f"{100 * s['uptime']:.1f}%"),
+    ("tokens_per_s", "throughput (whole run)", lambda s: f"{human(s['tokens_per_s'])} tokens/s"),
+    (
+        "wall_time_s",
+        "wall time",
+        lambda s: f"{duration(s['wall_time_s'])} ({s['wall_time_s']:.1f} s)",
+    ),
+    ("virtual_time_s", "virtual time", lambda s: f"{s['virtual_time_s']:.1f} s"),
+    ("num_failures", "failures detected", lambda s: str(s["num_failures"])),
+    ("rejected", "rejected contributions", _rejected),
+    ("stop_reason", "stopped because", lambda s: str(s["stop_reason"])),
 )
 
 
+def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The run's key figures as (measure, value with its unit): what the terminal prints at the
+    end of a run (`summary_table`) and the run report shows, the same rows in the same order.
+    From a run's summary (a Ray run's or a reference run's) or, for a run still going, from
+    its newest progress point (`observe/run_report.py` maps it to these keys); a row whose
+    figure is missing is left out."""
+    return [(m, show(summary)) for key, m, show in SUMMARY_ROWS if summary.get(key) is not None]
+
+
 def summary_table(summary: Mapping[str, Any]) -> str:
-    rows = []
-    for key, label in SUMMARY_FIELDS:
-        if key not in summary:
-            continue
-        v = summary[key]
-        shown = human(v) if key in ("tokens", "bytes_total") else v
-        rows.append({"measure": label, "value": shown})
+    rows = [{"measure": m, "value": v} for m, v in summary_rows(summary)]
     return markdown_table(rows, ("measure", "value"))
 
 

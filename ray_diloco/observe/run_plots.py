@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from ray_diloco.control.events import (
     FailureDetected,
@@ -26,11 +26,15 @@ from ray_diloco.control.events import (
     RoundClosed,
     SynchronizerLost,
 )
+from ray_diloco.observe.record import grace_on
+from ray_diloco.observe.report import human
 
 if TYPE_CHECKING:
     from ray_diloco.observe.record import RunRecord
 
 TIME_LABEL = "run time (s since the run started)"
+TOKENS_LABEL = "tokens trained (the whole run's)"
+TOKENS = FuncFormatter(lambda x, _: human(x))
 # Learner states on the timeline, in legend order, with the words the live display uses.
 STATE_COLORS = {
     "starting": ("#c7c7c7", "starting"),
@@ -137,15 +141,76 @@ def _timeline(ax: Axes, rec: RunRecord, names: Sequence[str]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
+def training(rec: RunRecord) -> Figure:
+    """Every learner's training loss and the global parameters' held-out loss against tokens
+    and against run time; below, each learner's learning rate against its tokens and the
+    run's throughput against time (from the progress points and the event tape)."""
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    (by_tokens, by_time), (lr_ax, rate_ax) = fig.subplots(2, 2, height_ratios=[2.2, 1])
+    names = rec.learner_names
+    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
+    curves = rec.training_curves()
+    evals = sorted((e.t, e.tokens, e.loss) for e in rec.events if isinstance(e, HeldoutEvaluated))
+    for ax, x in ((by_tokens, "run_tokens"), (by_time, "t")):
+        for name in names:
+            pts = [p for p in curves.get(name, []) if p["loss"] is not None]
+            if pts:
+                xs = [p[x] for p in pts]
+                ax.plot(xs, [p["loss"] for p in pts], color=colors[name], lw=1.2, alpha=0.85)
+        if evals:
+            xs = [e[1] if x == "run_tokens" else e[0] for e in evals]
+            ax.plot(xs, [e[2] for e in evals], "o-", color="black", markersize=3, lw=1.5)
+        if not evals and not any(curves.values()):
+            _empty(ax, "no loss reported yet")
+        ax.grid(alpha=0.3)
+    by_tokens.set_ylabel("loss (nats/token)")
+    by_tokens.set_xlabel(TOKENS_LABEL)
+    by_tokens.xaxis.set_major_formatter(TOKENS)
+    by_time.set_xlabel(TIME_LABEL)
+    drawn = [n for n in names if any(p["loss"] is not None for p in curves.get(n, []))]
+    handles = [Line2D([], [], color=colors[n], label=f"{rec.label(n)} training") for n in drawn]
+    handles.append(
+        Line2D([], [], color="black", marker="o", markersize=3, label="held-out (global params)")
+    )
+    _outside_legend(by_time, handles)
+    lrs = False
+    for name in names:
+        pts = [p for p in curves.get(name, []) if p["lr"] is not None]
+        if pts:
+            lrs = True
+            lr_ax.plot([p["run_tokens"] for p in pts], [p["lr"] for p in pts], color=colors[name])
+    if not lrs:
+        _empty(lr_ax, "no learning rate reported")
+    lr_ax.set_xlabel(TOKENS_LABEL)
+    lr_ax.xaxis.set_major_formatter(TOKENS)
+    lr_ax.set_ylabel("inner learning rate")
+    lr_ax.grid(alpha=0.3)
+    pts = [p for p in rec.points if p.get("tokens_per_s") is not None and "t" in p]
+    if pts:
+        rate_ax.plot([p["t"] for p in pts], [p["tokens_per_s"] for p in pts], color="#1f4e79")
+    else:
+        _empty(rate_ax, "no throughput in the progress points yet")
+    rate_ax.set_xlabel(TIME_LABEL)
+    rate_ax.set_ylabel("tokens/s (last 10 s)")
+    rate_ax.set_ylim(bottom=0)
+    rate_ax.grid(alpha=0.3)
+    for ax in (by_time, rate_ax):
+        ax.set_xlim(0, max(rec.end_t, 1.0))
+    fig.suptitle(f"run {rec.name}: training curves")
+    return fig
+
+
 def rounds(rec: RunRecord) -> Figure:
     """Contributors merged per round and the grace window each round allowed (and used)."""
     closed = [e for e in rec.events if isinstance(e, RoundClosed)]
-    fig = Figure(figsize=(10, 5.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True)
+    graced = grace_on(rec.config)
+    fig = Figure(figsize=(10, 5.5 if graced else 3.4), layout="constrained")
+    axes = list(fig.subplots(2, 1, sharex=True)) if graced else [fig.subplots()]
+    top = axes[0]
     fig.suptitle(f"run {rec.name}: rounds ({len(closed)} closed)")
     if not closed:
-        _empty(top, "no round closed yet")
-        _empty(bottom, "no round closed yet")
+        for ax in axes:
+            _empty(ax, "no round closed yet")
     else:
         ts = [e.t for e in closed]
         counts = [e.num_contributors for e in closed]
@@ -155,50 +220,69 @@ def rounds(rec: RunRecord) -> Figure:
         top.set_ylim(0, max(counts) + 0.5)
         top.yaxis.set_major_locator(MaxNLocator(integer=True))
         _outside_legend(top)
-        graced = [e for e in closed if e.grace_s is not None]
-        if graced:
-            ts = [e.t for e in graced]
-            bottom.scatter(
-                ts,
-                [e.grace_s for e in graced],
-                s=30,
-                facecolors="none",
-                edgecolors="#e07b39",
-                label="grace window allowed after quorum",
-            )
-            bottom.scatter(
-                ts,
-                [e.waited_s for e in graced],
-                s=6,
-                color="#1f4e79",
-                label="time the round waited after quorum",
-            )
-            _outside_legend(bottom)
-        else:
-            _empty(bottom, "grace windows not recorded on this tape")
     top.set_ylabel("contributors per round")
-    bottom.set_ylabel("seconds")
-    bottom.set_ylim(bottom=0)
-    bottom.set_xlabel(TIME_LABEL)
-    bottom.set_xlim(0, max(rec.end_t, 1.0))
-    for ax in (top, bottom):
+    if graced:
+        _grace(axes[1], closed)
+    axes[-1].set_xlabel(TIME_LABEL)
+    axes[-1].set_xlim(0, max(rec.end_t, 1.0))
+    for ax in axes:
         ax.grid(alpha=0.3)
     return fig
 
 
+def _grace(ax: Axes, closed: Sequence[RoundClosed]) -> None:
+    """The grace window each round allowed after quorum against the time it waited."""
+    graced = [e for e in closed if e.grace_s is not None]
+    if graced:
+        ts = [e.t for e in graced]
+        ax.scatter(
+            ts,
+            [math.nan if e.grace_s is None else e.grace_s for e in graced],
+            s=30,
+            facecolors="none",
+            edgecolors="#e07b39",
+            label="grace window allowed after quorum",
+        )
+        ax.scatter(
+            ts,
+            [math.nan if e.waited_s is None else e.waited_s for e in graced],
+            s=6,
+            color="#1f4e79",
+            label="time the round waited after quorum",
+        )
+        _outside_legend(ax)
+    elif closed:
+        _empty(ax, "grace windows not recorded on this tape")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
+
+
 def goodput(rec: RunRecord) -> Figure:
-    """Goodput and uptime of the run so far, as the driver measured them at every poll."""
+    """Goodput over a sliding window (where a boot, a fault or a stall happened), beside the
+    run-so-far goodput and uptime the driver measured at every poll."""
     fig = Figure(figsize=(10, 3.8), layout="constrained")
     ax = fig.subplots()
+    window = goodput_window_s(rec.end_t)
+    windowed = rec.windowed_goodput(window)
     pts = [p for p in rec.points if p.get("goodput") is not None]
-    if not pts:
-        _empty(ax, "no progress point yet")
-    else:
+    if not windowed and not pts:
+        _empty(ax, "no learner time yet")
+    if windowed:
+        wts, values = zip(*windowed, strict=True)
+        ax.plot(wts, values, color="#4c9f50", lw=2, label=f"goodput (last {window:.0f} s)")
+    if pts:
         ts = [p["t"] for p in pts]
-        ax.plot(ts, [p["goodput"] for p in pts], color="#4c9f50", label="goodput (run so far)")
+        ax.plot(
+            ts,
+            [p["goodput"] for p in pts],
+            "--",
+            color="#4c9f50",
+            lw=1,
+            label="goodput (run so far)",
+        )
         # Before the first round uptime is not measured yet (None): a gap, not a drop to 0.
         up = [math.nan if p.get("uptime") is None else p["uptime"] for p in pts]
-        ax.plot(ts, up, color="#1f4e79", label="uptime (run so far)")
+        ax.plot(ts, up, color="#1f4e79", lw=1, label="uptime (run so far)")
     handles, _ = ax.get_legend_handles_labels()
     handles += _event_lines(ax, rec)
     _outside_legend(ax, handles)
@@ -211,31 +295,51 @@ def goodput(rec: RunRecord) -> Figure:
     return fig
 
 
+def goodput_window_s(end_t: float) -> float:
+    """A twentieth of the run, at least 10 s: short enough to place an event, long enough to
+    hold a few progress polls."""
+    return max(10.0, end_t / 20)
+
+
 def links(rec: RunRecord) -> Figure:
-    """Bytes each learner's link moved to and from the synchronizer: over time, and in all."""
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    over_time, totals = fig.subplots(1, 2, width_ratios=[1.6, 1])
-    names = rec.learner_names
-    pts = [p for p in rec.points if "bytes_up" in p]
-    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
-    if not pts:
-        _empty(over_time, "no progress point yet")
-    for i, name in enumerate(names if pts else []):
-        ts = [p["t"] for p in pts]
-        width = 3.0 - 2.0 * i / len(names)  # later learners thinner: equal curves stay visible
-        for key, style in (("bytes_up", "-"), ("bytes_down", "--")):
-            mb = [p[key].get(name, 0) / 1e6 for p in pts]
-            over_time.plot(ts, mb, style, color=colors[name], linewidth=width)
-    handles = [Line2D([], [], color=colors[n], label=rec.label(n)) for n in names]
+    """Each region's link to the synchronizer: the rate it carried up and down (its learners
+    together, between progress polls) against the emulated link's capacity; and the bytes
+    each learner moved in all."""
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    over_time, totals = fig.subplots(2, 1, height_ratios=[1.5, 1])
+    rates = rec.link_rates()
+    capacity = {r: 1e3 * v["bandwidth_gbps"] for r, v in rec.config.get("links", {}).items()}
+    regions = sorted(rates)
+    colors = {r: f"C{i % 10}" for i, r in enumerate(regions)}
+    if not rates:
+        _empty(over_time, "no two progress points yet")
+    handles: list[Any] = []
+    for i, region in enumerate(regions):
+        width = 3.0 - 1.8 * i / len(regions)  # later regions thinner: equal rates stay visible
+        for direction, style in (("up", "-"), ("down", "--")):
+            series = rates[region][direction]
+            if series:
+                ts, bps = zip(*series, strict=True)
+                mbps = [b / 1e6 if b > 0 else math.nan for b in bps]  # (log scale: no zero)
+                over_time.plot(ts, mbps, style, color=colors[region], lw=width)
+        label = rec_region_label(rec, region)
+        if region in capacity:
+            over_time.axhline(capacity[region], color=colors[region], ls=":", lw=2)
+            label += f", link {capacity[region]:,.0f} Mbit/s (dotted)"
+        else:
+            label += ", no emulated link"
+        handles.append(Line2D([], [], color=colors[region], label=label))
     handles += [
-        Line2D([], [], color="grey", ls="-", label="up (to the synchronizer)"),
+        Line2D([], [], color="grey", ls="-", label="up (contributions)"),
         Line2D([], [], color="grey", ls="--", label="down (published fragments)"),
     ]
     _outside_legend(over_time, handles)
     over_time.set_xlabel(TIME_LABEL)
-    over_time.set_ylabel("MB moved so far")
+    over_time.set_ylabel("Mbit/s")
+    over_time.set_yscale("log")  # a rate far below its link's capacity stays readable
     over_time.set_xlim(0, max(rec.end_t, 1.0))
     over_time.grid(alpha=0.3)
+    names = rec.learner_names
     up, down = rec.link_totals()
     xs = range(len(names))
     totals.bar(
@@ -248,15 +352,21 @@ def links(rec: RunRecord) -> Figure:
         color="#bbbbbb",
         label="down",
     )
-    totals.set_xticks(list(xs), [rec.label(n) for n in names], rotation=20, ha="right")
+    totals.set_xticks(list(xs), [rec.label(n) for n in names])
     totals.set_ylabel("MB in all")
     _outside_legend(totals)
     totals.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"run {rec.name}: bytes per link")
+    fig.suptitle(f"run {rec.name}: link rates per region, bytes per learner")
     return fig
 
 
+def rec_region_label(rec: RunRecord, region: str) -> str:
+    learners = [n for n in rec.learner_names if rec.regions.get(n) == region]
+    return f"{region} ({', '.join(learners)})" if learners else region
+
+
 FIGURES = {
+    "training.png": training,
     "loss_timeline.png": loss_and_timeline,
     "rounds.png": rounds,
     "goodput.png": goodput,

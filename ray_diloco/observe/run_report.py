@@ -13,22 +13,39 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 from pathlib import Path
+from typing import Any
 
 from ray_diloco.control.recovery import fault_outcomes
-from ray_diloco.observe.record import RunRecord
-from ray_diloco.observe.report import duration, human, state_word
+from ray_diloco.observe.record import RunRecord, grace_on
+from ray_diloco.observe.report import duration, state_word, summary_rows
+from ray_diloco.observe.telemetry import TENSORBOARD_DIR
 
-PICTURES = ("loss_timeline.png", "rounds.png", "goodput.png", "links.png")
+PICTURES = ("training.png", "loss_timeline.png", "rounds.png", "goodput.png", "links.png")
 REPORT_FILES = ("report.html", *PICTURES)
+# Everything a run writes in its run dir but its checkpoints and compilation cache.
+RUN_FILES = (
+    "summary.json",
+    "metrics.jsonl",
+    "events.jsonl",
+    "config.json",
+    TENSORBOARD_DIR,
+    "wandb",  # an offline W&B run (metrics.wandb.mode)
+    *REPORT_FILES,
+)
 CAPTIONS = {
+    "training.png": "Each learner's training loss (its last reported step at every poll) and "
+    "the global parameters' held-out loss, against tokens and against run time; below, each "
+    "learner's inner learning rate and the run's throughput.",
     "loss_timeline.png": "Held-out loss of the global parameters against run time, with "
     "injected faults, detected failures and recoveries; below, each learner's state over time.",
-    "rounds.png": "Contributions merged per round, and the grace window each round allowed "
-    "after reaching quorum against the time it actually waited.",
-    "goodput.png": "Goodput (productive over allocated learner time) and uptime (share of "
-    "the run in which the global model advanced) of the run so far.",
-    "links.png": "Bytes each learner's link moved: contributions up, published fragments down.",
+    "rounds.png": "Contributions merged per round; with a grace window on, the window each "
+    "round allowed after reaching quorum against the time it actually waited.",
+    "goodput.png": "Goodput (productive over allocated learner time) over a sliding window and "
+    "over the run so far, and uptime (share of the run in which the global model advanced).",
+    "links.png": "The rate each region's link carried (its learners together) up and down, "
+    "against the emulated link's capacity; the bytes each learner moved in all.",
 }
 
 
@@ -63,6 +80,7 @@ def render_html(rec: RunRecord, pngs: dict[str, bytes]) -> str:
             f"<figcaption>{_e(CAPTIONS.get(name, ''))} ({_e(name)})</figcaption></figure>"
         )
     sections += ["<h2>Learners</h2>", _learners(rec), "<h2>Injected faults</h2>", _faults(rec)]
+    sections += ["<h2>Config</h2>", _config(rec)]
     return _PAGE.format(title=_e(f"ray_diloco run {rec.name}"), body="\n".join(sections))
 
 
@@ -78,29 +96,19 @@ def _status(rec: RunRecord) -> str:
 
 
 def _key_figures(rec: RunRecord) -> list[list[str]]:
-    """From the summary of a finished run, else from its newest progress point."""
-    last = rec.points[-1] if rec.points else {}
-    now = rec.summary or {**last, "mean_contributors": last.get("contributors")}
-    loss = now.get("heldout_loss")
-    rows = [
-        ["tokens trained", f"{human(now.get('tokens', 0))} of {human(rec.config['token_budget'])}"],
-        ["held-out loss", _f(loss, "{:.4f}")],
-        ["rounds", str(now.get("rounds", 0))],
-        ["mean contributors per round", _f(now.get("mean_contributors"))],
-        ["goodput", _f(now.get("goodput"))],
-        ["uptime", _f(now.get("uptime"))],
-        ["run time", duration(rec.end_t)],
-    ]
-    s = rec.summary
-    if s is not None:
-        rejected = ", ".join(f"{k}: {v}" for k, v in s["rejected"].items())
-        rows += [
-            ["tokens per second (whole run)", human(s["tokens_per_s"])],
-            ["bytes moved", f"{human(s['bytes_total'])} ({s['bytes_per_token']:.1f} per token)"],
-            ["failures detected", str(s["num_failures"])],
-            ["rejected contributions", rejected or "none"],
-        ]
-    return rows
+    """The rows the terminal printed (`summary_rows`): from the summary of a finished run,
+    else from its newest progress point."""
+    if rec.summary is not None:
+        now = {"token_budget": rec.config["token_budget"], **rec.summary}
+    else:
+        last = rec.points[-1] if rec.points else {}
+        keys = ("tokens", "heldout_loss", "rounds", "goodput", "uptime")
+        now = {k: last.get(k) for k in keys} | {
+            "mean_contributors": last.get("contributors"),
+            "token_budget": rec.config["token_budget"],
+            "wall_time_s": rec.end_t,
+        }
+    return [list(row) for row in summary_rows(now)]
 
 
 def _learners(rec: RunRecord) -> str:
@@ -125,6 +133,50 @@ def _learners(rec: RunRecord) -> str:
         )
     head = ["learner", "state", "restarts", "merged", *(f"{state_word(s)} (s)" for s in states)]
     return _table(head, rows)
+
+
+def _config(rec: RunRecord) -> str:
+    """The method's knobs and every learner at a glance, then the whole config.json."""
+    c = rec.config
+    d, outer = c.get("diloco", {}), c.get("outer", {})
+    grace = (
+        f"{d.get('grace_fraction')} of the round, at most {d.get('grace_max_s')} s"
+        if grace_on(c)
+        else "off"
+    )
+    rows = [
+        ["task", str(c.get("task"))],
+        ["mode", str(d.get("mode"))],
+        ["H (inner steps per sync of a fragment)", str(d.get("sync_every"))],
+        ["P (fragments)", str(d.get("num_fragments"))],
+        ["K (quorum)", str(d.get("quorum_min"))],
+        ["grace window", grace],
+        ["wire (up / down)", f"{d.get('wire_dtype')} / {d.get('publish_delta') or 'full'}"],
+        ["inner lr (peak)", str(c.get("inner", {}).get("lr"))],
+        ["outer lr, momentum", f"{outer.get('lr')}, {outer.get('momentum')}"],
+        ["token budget", f"{c.get('token_budget'):,} tokens"],
+    ]
+    links = c.get("links", {})
+    learners = [
+        [
+            lg["name"],
+            lg.get("region", "local"),
+            str(lg.get("batch_size")),
+            str(lg.get("speed", 1.0)),
+            _link(links, lg.get("region", "local")),
+        ]
+        for lg in c.get("learners", [])
+    ]
+    whole = json.dumps(c, indent=2, sort_keys=True)
+    return (
+        _table(["setting", "value"], rows)
+        + _table(["learner", "region", "batch size", "speed", "emulated link"], learners)
+        + f"<details><summary>config.json</summary><pre>{_e(whole)}</pre></details>"
+    )
+
+
+def _link(links: dict[str, Any], region: str) -> str:
+    return f"{links[region]['bandwidth_gbps']} Gbit/s" if region in links else "–"
 
 
 def _faults(rec: RunRecord) -> str:
@@ -167,6 +219,7 @@ th, td {{ border-bottom: 1px solid #ddd; padding: 0.25em 0.8em; text-align: righ
 th:first-child, td:first-child {{ text-align: left; }}
 figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
 figcaption {{ color: #555; font-size: 0.9em; }} .status {{ color: #555; }}
+pre {{ background: #f6f6f6; padding: 0.8em; font-size: 0.8em; max-height: 30em; overflow: auto; }}
 </style></head>
 <body>
 {body}

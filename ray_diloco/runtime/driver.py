@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,17 +32,19 @@ import ray
 
 from ray_diloco.algorithm.links import ring_allreduce_bytes
 from ray_diloco.config import ConfigError, RunConfig, check_output_dir, config_digest, dump_config
-from ray_diloco.control.events import Event, RunStarted
+from ray_diloco.control.events import Event
 from ray_diloco.control.protocol import (
     HostStatus,
     LearnerProgress,
     SupervisorStatus,
     SynchronizerStatus,
 )
+from ray_diloco.control.run_dir import Action, delete_run, run_dir_action
 from ray_diloco.control.tape import read_tape
 from ray_diloco.observe.progress import ProgressTracker
 from ray_diloco.observe.report import write_json
-from ray_diloco.observe.run_report import REPORT_FILES, write_report
+from ray_diloco.observe.run_report import RUN_FILES, write_report
+from ray_diloco.observe.telemetry import Telemetry
 from ray_diloco.runtime.connect import connect
 from ray_diloco.runtime.learner.compile_cache import use_compilation_cache
 from ray_diloco.runtime.learner.group import regions_are_labelled
@@ -67,7 +68,6 @@ NODE_START_TIMED_OUT = "timed out during startup"
 EMBEDDED_START_ATTEMPTS = 3
 SYNC_START_TIMEOUT_S = 600.0  # building data and parameters on a busy laptop
 STOP_TIMEOUT_S = 60.0
-RUN_FILES = ("summary.json", "metrics.jsonl", "events.jsonl", *REPORT_FILES)
 NO_EVENTS = 2**62  # a journal sequence number beyond any: status without the event list
 
 Progress = Callable[[dict[str, Any]], None]
@@ -81,26 +81,35 @@ def run_training(
     progress: Progress | None = None,
     stop_when: StopWhen | None = None,
     dashboard: bool = False,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train `cfg` on Ray to its token budget; returns the summary (also in summary.json).
     `progress(point)` gets every progress point (`observe/progress.py`);
     `stop_when(supervisor_status)` may end the run earlier by returning a reason (benchmarks stop
     once their faults played
-    out); `dashboard` starts the Ray dashboard with an embedded local Ray."""
+    out); `dashboard` starts the Ray dashboard with an embedded local Ray. An unfinished run of
+    this config in `run_dir` resumes (`resume` insists on it); a finished run or another
+    config's raises a ConfigError unless `overwrite` (`control/run_dir.py`)."""
     check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
+    run_dir = Path(cfg.run_dir).absolute()
+    # What needs no config digest is refused before Ray starts (a finished run, nothing to
+    # resume); the digest is the fitted config's, known once the task was built (below).
+    run_dir_action(run_dir, None, resume, overwrite)
     embedded, dashboard_url = _connect(cfg, address, dashboard)
     try:
         # Before any actor starts: a task that cannot be built, fragmented or trained ends
         # the run here with one error line (JAX in the driver, after Ray has started).
-        from ray_diloco.algorithm.setup import check_task
+        from ray_diloco.algorithm.setup import check_task, fitted_config
 
         # The run's compilation cache, as its actors use it: `check_task` compiles a train
         # step and an evaluation (8.9 s on 2 cores beside a busy process, 2.7 s loaded from
         # the cache), which a rerun or a resumed run of this run dir then loads.
         use_compilation_cache(cfg)
+        cfg = fitted_config(cfg).model_copy(update={"run_dir": str(run_dir)})  # (any cwd)
+        action = run_dir_action(run_dir, config_digest(cfg), resume, overwrite)
         logger.info("task checked: %s", check_task(cfg))
-        run_dir, elapsed_s = _prepare_run_dir(cfg)
-        cfg = cfg.model_copy(update={"run_dir": str(run_dir)})  # actors may have another cwd
+        elapsed_s = _prepare_run_dir(cfg, run_dir, action)
         dump_config(cfg, run_dir / "config.json")
         run = _Run(cfg, progress or _quiet, stop_when, elapsed_s, dashboard_url)
         return run.execute(stop_synchronizer or embedded)
@@ -176,10 +185,9 @@ def _url(address: str | None) -> str | None:
     return address if "://" in address else f"http://{address}"
 
 
-def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, float]:
-    """The absolute, writable run dir, and the run time its event tape already holds (0 for a
-    new run; an interrupted run of this config is resumed, its clock going on from there)."""
-    run_dir = Path(cfg.run_dir).absolute()
+def _prepare_run_dir(cfg: RunConfig, run_dir: Path, action: Action) -> float:
+    """Make `run_dir` writable and do `action` with it; returns the run time its event tape
+    already holds (0 for a new run; a resumed run's clock goes on from there)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".writable"
@@ -189,35 +197,17 @@ def _prepare_run_dir(cfg: RunConfig) -> tuple[Path, float]:
         raise ConfigError(
             f"run_dir={cfg.run_dir}: not writable ({err}); pick another run_dir"
         ) from None
-    finished = (run_dir / "summary.json").exists() and not _synchronizer_alive(cfg)
-    tape = _read_tape(run_dir)
-    other = next((e.config_digest for e in tape if isinstance(e, RunStarted)), None)
-    digest = config_digest(cfg.model_copy(update={"run_dir": str(run_dir)}))
-    if finished or other not in (None, digest):
-        # A finished run, or another config's, is not resumed: start afresh. (A run dir of an
-        # interrupted run of this config is: the synchronizer resumes from its checkpoint and
-        # the event tape goes on.)
-        what = "a finished run" if finished else "a run of another config"
-        logger.warning("run_dir %s holds %s; replacing it", run_dir, what)
-        for shard_dir in (run_dir / "checkpoints").glob("synchronizer*"):
-            shutil.rmtree(shard_dir, True)
-        for name in RUN_FILES:
-            (run_dir / name).unlink(missing_ok=True)
-        tape = []
-    return run_dir, max((e.t for e in tape), default=0.0)
+    if action is Action.OVERWRITE:
+        logger.warning("run_dir %s: deleting the run it holds (--overwrite)", run_dir)
+        delete_run(run_dir, RUN_FILES)
+    elif action is Action.RESUME:
+        logger.info("run_dir %s: resuming the unfinished run of this config", run_dir)
+    return max((e.t for e in _read_tape(run_dir)), default=0.0)
 
 
 def _read_tape(run_dir: Path) -> list[Event]:
     path = run_dir / "events.jsonl"
     return read_tape(path) if path.exists() else []
-
-
-def _synchronizer_alive(cfg: RunConfig) -> bool:
-    try:
-        ray.get_actor(cfg.synchronizer.name, namespace=cfg.synchronizer.namespace)
-    except ValueError:
-        return False
-    return True
 
 
 class _Run:
@@ -239,7 +229,12 @@ class _Run:
         self.sup: Any = None
         self.done = False
         regions = {lg.name: lg.region for lg in cfg.learners}
-        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url)
+        from ray_diloco.algorithm.setup import learning_rate, task_of  # (JAX after Ray)
+
+        lr_at = learning_rate(cfg, task_of(cfg))  # the task `check_task` built: cached
+        speeds = {lg.name: lg.speed for lg in cfg.learners}
+        self.tracker = ProgressTracker(cfg.token_budget, regions, dashboard_url, lr_at, speeds)
+        self.telemetry = Telemetry(cfg, self.run_dir, self.t0)
 
     def execute(self, stop_synchronizer: bool) -> dict[str, Any]:
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -257,6 +252,7 @@ class _Run:
             self._check_synchronizer()
             return self._finish(self._watch())
         finally:
+            self.telemetry.close()
             self._teardown(stop_synchronizer)
             self._report()
 
@@ -311,6 +307,7 @@ class _Run:
         point = self.tracker.point(self._t(), st, sup)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(point) + "\n")
+        self.telemetry.write(point)
         self.progress(point)
         return st, sup
 
@@ -404,6 +401,7 @@ def _summary(
         "num_params": st.num_params,
         "evals": [{**e, "t": e["time"] - t0} for e in st.evals],
         "tokens": tokens,
+        "token_budget": cfg.token_budget,
         "rounds": st.rounds,
         "mean_contributors": st.mean_contributors,
         "bytes_up": up,

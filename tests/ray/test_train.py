@@ -74,6 +74,23 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
     kinds = {json.loads(ln)["kind"] for ln in (run_dir / "events.jsonl").read_text().splitlines()}
     assert {"run_started", "learner_state_changed", "round_closed", "run_finished"} <= kinds
     assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / "synchronizer").iterdir())
+    # Every learner's training curve: in the progress points and in TensorBoard's event files.
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["learners"]
+    assert all(ls["loss"] > 0 and ls["lr"] > 0 and ls["tokens"] > 0 for ls in last.values())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name in ("a", "b"):
+        acc = EventAccumulator(str(run_dir / "tensorboard" / "learners" / name))
+        acc.Reload()
+        losses = acc.Scalars("train/loss")
+        assert losses and losses[-1].step == last[name]["step"], (name, losses[-1:])
+    # A rerun on the finished run is refused before it starts anything, and deletes nothing.
+    from ray_diloco.config import ConfigError
+
+    with pytest.raises(ConfigError, match="holds a finished run; pass --overwrite"):
+        run_training(cfg, progress=points.append)
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 6
+    assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / "synchronizer").iterdir())
 
 
 @pytest.mark.timeout(150)

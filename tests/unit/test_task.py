@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import ray_diloco
 from ray_diloco.algorithm.fragments import plan_fragments
 from ray_diloco.algorithm.pytree import TreeLayout
-from ray_diloco.algorithm.setup import Setup, check_task, fragment_plan
+from ray_diloco.algorithm.setup import Setup, check_task, fitted_config, fragment_plan
 from ray_diloco.config import ConfigError, load_config
 from ray_diloco.task import Task, load_task, task_spec
 from tests.fixtures.custom_task import TeacherData, make_task
@@ -144,8 +145,84 @@ def _tiny(*overrides: str):  # type: ignore[no-untyped-def]
 
 
 def test_a_pytree_too_small_for_the_fragments_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"diloco.num_fragments=8: .*6 parameter leaves"):
+    with pytest.raises(ConfigError, match=r"exceeds the 6 parameter leaves") as err:
         fragment_plan(_tiny("diloco.num_fragments=8", "diloco.sync_every=8"))
+    assert str(err.value).count("diloco.num_fragments=") == 1, err.value  # named once
+    assert "set diloco.num_fragments to at most 6" in str(err.value)
+
+
+def test_the_default_fragment_count_fits_a_task_with_fewer_leaves() -> None:
+    # The default (24) exceeds the custom task's 6 leaves: unset, it becomes one per leaf;
+    # set, it is the user's choice and refused as it stands.
+    task = ["task=tests.fixtures.custom_task:make_task", "task_args={}"]
+    unset = load_config(None, task)
+    fitted = fitted_config(unset)
+    assert (unset.diloco.num_fragments, fitted.diloco.num_fragments) == (24, 6)
+    assert fragment_plan(fitted).num_fragments == 6
+    chosen = load_config(None, [*task, "diloco.num_fragments=24"])
+    assert fitted_config(chosen) is chosen
+    with pytest.raises(ConfigError, match=r"diloco\.num_fragments=24 exceeds the 6"):
+        fragment_plan(chosen)
+    # The Python API keeps what the config left unset, so it is fitted there too.
+    trainer = ray_diloco.Trainer("tests.fixtures.custom_task:make_task", unset)
+    assert fitted_config(trainer.config).diloco.num_fragments == 6
+
+
+def test_a_heldout_set_that_is_a_bare_batch_is_named_as_the_evaluation() -> None:
+    # A bare dict iterates as its keys, a bare (x, y) tuple as two arrays: both used to be
+    # reported as "the first training step failed: ValueError: too many values to unpack".
+    for task in ("dict_heldout_task", "tuple_heldout_task"):
+        with pytest.raises(ConfigError) as err:
+            check_task(_tiny(f"task=tests.unit.test_task:{task}", "task_args={}"))
+        message = str(err.value)
+        assert "data.heldout() must give a list of batches (`[batch]` for one)" in message
+        assert "first training step" not in message, message
+
+
+def test_a_data_source_whose_examples_move_with_the_batching_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data.batches\(\) gives other examples for one batch"):
+        check_task(_tiny("task=tests.unit.test_task:batch_seeded_task", "task_args={}"))
+    check_task(_tiny())  # the fixture's source derives each example from its index: accepted
+
+
+class _BatchSeeded(TeacherData):
+    """Each batch drawn from a generator seeded by its cursor: resumable (the same cursor, the
+    same batch) but example e depends on where its batch starts."""
+
+    def batches(self, part, num_parts, cursor, batch_size):  # type: ignore[no-untyped-def]
+        while True:
+            rng = np.random.default_rng([part, cursor])
+            x = rng.normal(size=(batch_size, self.x.shape[1])).astype(np.float32)
+            yield {"x": x, "y": x[:, :1]}, batch_size
+            cursor += batch_size
+
+
+def _with_data(data: TeacherData) -> Task:
+    base = make_task()
+    return Task(init=base.init, loss=base.loss, data=data)
+
+
+def batch_seeded_task() -> Task:
+    return _with_data(_BatchSeeded(16, 0))
+
+
+class _DictHeldout(TeacherData):
+    def heldout(self):  # type: ignore[no-untyped-def]
+        return super().heldout()[0]
+
+
+class _TupleHeldout(TeacherData):
+    def heldout(self):  # type: ignore[no-untyped-def]
+        batch = super().heldout()[0]
+        return batch["x"], batch["y"]
+
+
+def dict_heldout_task() -> Task:
+    return _with_data(_DictHeldout(16, 0))
+
+
+def tuple_heldout_task() -> Task:
+    return _with_data(_TupleHeldout(16, 0))
 
 
 def test_a_non_finite_first_loss_is_refused_before_training() -> None:
