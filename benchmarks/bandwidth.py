@@ -46,7 +46,7 @@ MODES = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
     "decoupled": [],
-    # the default before 2026-11-28: K = 1 with the grace window
+    # the 4-learner jobs' earlier default: K = 1 with the grace window
     "decoupled K=1": ["diloco.quorum_min=1", *GRACE],
     "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
 }

@@ -44,24 +44,23 @@ AS_WRITTEN = [
     "diloco.keep_unsent_work=false",
     "diloco.mixing_alpha=0",
 ]
-# On top of AS_WRITTEN, the config's defaults since 2026-11-27: the sqrt step with Streaming
-# DiLoCo's mixing.
+# On top of AS_WRITTEN, two of the config's defaults: the sqrt step with Streaming DiLoCo's
+# mixing.
 MIX = ["diloco.round_step=sqrt", "diloco.mixing_alpha=0.25"]
 
 
 def both_ways(bits: str) -> list[str]:
-    """Offers up and publications down on a `bits` wire (int4: the config's default since
-    2026-11-28)."""
+    """Offers up and publications down on a `bits` wire (int4: the config's default)."""
     return [f"diloco.wire_dtype={bits}", f"diloco.publish_delta={bits}"]
 
 
 # On top of AS_WRITTEN: the mix on 4 bits both ways, with a quorum of two. Without the grace
-# window (K2 + NO_GRACE) it is the 4-learner job files' default since 2026-11-28.
+# window (K2 + NO_GRACE) it is the 4-learner job files' default.
 K2 = [*MIX, *both_ways("int4"), "diloco.quorum_min=2"]
 
-# Row names quality.py and quality_horizon.py share. The config's defaults: DEFAULT (the sqrt
-# step) until 2026-11-27; DEFAULT_ROW (MIX, on the bfloat16 wire) since; f"{DEFAULT_ROW}, int4
-# both ways" from 2026-11-28; DEFAULT_K2 (K2) later that day; f"{DEFAULT_K2}, no grace" since.
+# Row names quality.py and quality_horizon.py share; the rows keep the names they were measured
+# under, as the committed JSON holds them (f"{DEFAULT_K2}, no grace" is the config's default;
+# docs/decisions/ say how each earlier one led to it).
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 DEFAULT = "decoupled K=1 grace, sqrt step"
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"

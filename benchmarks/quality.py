@@ -53,7 +53,7 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.publish_to=contributors",
     ],
     "decoupled K=1 grace, publish to contributors": ["diloco.publish_to=contributors"],
-    # Staleness-aware outer steps (issue 11): a round steps by the share of learners it merged,
+    # Staleness-aware outer steps: a round steps by the share of learners it merged,
     # and/or a contribution's outer gradient is its own update (anchored at its base).
     "decoupled K=1 grace, share step": ["diloco.round_step=share"],
     "decoupled K=1 grace, base anchor, share step": [
@@ -106,17 +106,17 @@ VARIANTS: dict[str, list[str]] = {
     # The same outer lr where every round merges every learner (a full step either way).
     "synchronous, outer lr 1.4": ["diloco.mode=synchronous", "outer.lr=1.4"],
     "decoupled K=M, outer lr 1.4": ["diloco.quorum_min=4", "outer.lr=1.4"],
-    # What helped at the long horizon (quality_horizon.py, 2026-11-27): synchronous DiLoCo at
+    # What helped at the long horizon (quality_horizon.py): synchronous DiLoCo at
     # outer lr 0.5, and Streaming DiLoCo's mixing with the sqrt step.
     "synchronous, outer lr 0.5": ["diloco.mode=synchronous", "outer.lr=0.5"],
     DEFAULT_ROW: MIX,
     "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": ["diloco.grace_fraction=0", *MIX],
     f"{DEFAULT_ROW}, mean merge": [*MIX, "diloco.merge=mean"],
-    # The narrow wires both ways (quality_horizon.py, 2026-11-28: int2 ahead of the bfloat16
+    # The narrow wires both ways (quality_horizon.py: int2 ahead of the bfloat16
     # wire on every seed at 2.56M tokens, but 0.8% behind it at 500k in the bandwidth table).
     **{f"{DEFAULT_ROW}, {bits} both ways": [*MIX, *both_ways(bits)] for bits in ("int4", "int2")},
-    # K = 2 on the default wire (the best decoupled quorum at the quality horizon), and issue
-    # 11's grace and merge targets for it; without the window, the default since 2026-11-28.
+    # K = 2 on the default wire (the best decoupled quorum at the quality horizon), and the
+    # grace and merge alternatives for it; without the window, the default.
     DEFAULT_K2: K2,
     f"{DEFAULT_K2}, no grace": [*K2, *NO_GRACE],
     f"{DEFAULT_K2}, mean merge": [*K2, "diloco.merge=mean"],

@@ -1,4 +1,4 @@
-"""Quality at a horizon DiLoCo is meant for (issue 11 item 2): over 100 outer steps per
+"""Quality at a horizon DiLoCo is meant for: over 100 outer steps per
 fragment, 3 seeds per variant (mean and spread), M = 2, 4 and 8, and short outer- and
 inner-optimizer sweeps, on the in-process reference run (deterministic for a seed).
 
@@ -135,7 +135,7 @@ VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     f"{DEFAULT}, contributors": ([*SQRT, "diloco.publish_to=contributors"], 4, SEEDS),
     f"{DEFAULT}, outer momentum 0.5": ([*SQRT, "outer.momentum=0.5"], 4, SEEDS),
     # Each learner of a round 1/sqrt(M) of a step: the grace window's grouping no longer
-    # shortens the window's steps (issue 11: grace better than no grace).
+    # shortens the window's steps (the question: is grace better than no grace?).
     "decoupled K=1 grace, sqrt step per learner": (["diloco.round_step=sqrt_each"], 4, SEEDS),
 }
 # The outer optimizer around the paper's (lr 0.7, Nesterov 0.9), M = 4: as written, and with
@@ -166,7 +166,7 @@ SQRT_SWEEP: dict[str, list[str]] = {
     f"{DEFAULT}, mixing alpha {alpha}": [*SQRT, f"diloco.mixing_alpha={alpha}"]
     for alpha in (0.25, 0.5)
 }
-# The default's grace and merge targets (issue 11) with the mix.
+# The default's grace and merge alternatives with the mix.
 DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     "decoupled K=1 no grace, sqrt step, mixing alpha 0.25": (
         ["diloco.grace_fraction=0", *MIX],
@@ -174,14 +174,14 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
         SEEDS,
     ),
     f"{DEFAULT_ROW}, mean merge": ([*MIX, "diloco.merge=mean"], 4, (0,)),
-    # Issue 11's M = 2 and M = 8 for the default, and issue 16's question: does the mix make
-    # more learners at the same token budget cost less?
+    # M = 2 and M = 8 for the default, and scavenging's question: does the mix make more
+    # learners at the same token budget cost less?
     f"{DEFAULT_ROW}, M=2": (MIX, 2, (0,)),
     f"{DEFAULT_ROW}, M=8": (MIX, 8, (0,)),
     # The mix with the outer lr that helped synchronous DiLoCo (0.5), and synchronous DiLoCo
     # with the mix (every learner gets the same version, so the mix keeps them apart).
     f"{DEFAULT_ROW}, outer lr 0.5": ([*MIX, "outer.lr=0.5"], 4, (0,)),
-    # An outer lr warm-up (issue 11's sweep; a decoupled fragment closes about 350 rounds):
+    # An outer lr warm-up (a decoupled fragment closes about 350 rounds):
     # seed 0 at 20 and 60 rounds, then every seed at the better (20: 1.667 against 1.687).
     **{
         f"{DEFAULT_ROW}, outer warm-up {n} rounds": (
@@ -216,12 +216,12 @@ DEFAULT_CHECKS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     f"{DEFAULT_ROW}, K=2": ([*MIX, "diloco.quorum_min=2"], 4, SEEDS),
     f"{DEFAULT_ROW}, grace fraction 0.9": ([*MIX, "diloco.grace_fraction=0.9"], 4, (0,)),
     # K = 2 on the default wire (4 bits both ways); without the grace window (below) the
-    # default since 2026-11-28.
+    # default.
     DEFAULT_K2: (K2, 4, SEEDS),
     # Rounds of two learners are closer to synchronous DiLoCo's, which is best at outer lr 0.5
     # (1.605 against 1.673 at 0.7); K = 1 gained nothing from it (1.717 against 1.719).
     f"{DEFAULT_K2}, outer lr 0.5": ([*K2, "outer.lr=0.5"], 4, SEEDS),
-    # Issue 11's grace and merge targets for K = 2.
+    # The grace and merge alternatives for K = 2.
     f"{DEFAULT_K2}, no grace": ([*K2, *NO_GRACE], 4, SEEDS),
     f"{DEFAULT_K2}, mean merge": ([*K2, "diloco.merge=mean"], 4, (0,)),
     # ... and the merge target for the default itself (K = 2 without the window).
@@ -341,7 +341,7 @@ SCALE |= {
 }
 # M = 2 and 8 for the default (the global batch split over them, K = 2), seed 0, at batches 32
 # and 256: does the cost of more learners at a fixed token budget, which keeps temporary
-# learners from paying off (issue 16's scavenging), shrink as a learner's share of the batch
+# learners from paying off (scavenging), shrink as a learner's share of the batch
 # grows (4 sequences a learner at 32 with M = 8, 32 at 256)?
 SCALE |= {
     f"{BATCHED[2]}, M={m}{batch}": (SCALE[f"{BATCHED[2]}{BATCH}"][0], m, (0,))
@@ -374,7 +374,7 @@ SCALE |= {
     f"{STALENESS}{BATCH_512}": (DEFAULT_CHECKS[STALENESS][0], 4, SEEDS),
 }
 # The curves of quality_horizon.png and their labels: the baselines, the method as written,
-# and the default with what issue 11 asks of it (the grace window, RDA against the mean).
+# and the default with its alternatives (the grace window, RDA against the mean).
 PLOTTED = {
     "data_parallel": "data-parallel",
     "synchronous": "synchronous DiLoCo",
@@ -389,9 +389,9 @@ PLOTTED = {
 BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: BIGGEST_BATCH}
 GROUPS = (*(f", width {w}" for w in WIDTHS), BATCH, BATCH_256, BATCH_512)
 # The sweeps run seed 0; their best points run every seed: the fraction step's (outer lr 1.4:
-# 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0; 2026-11-26), and the sqrt step's
+# 1.727 against 1.755 at 0.7, 1.737 at 1.0 and 1.863 at 2.0), and the sqrt step's
 # and synchronous DiLoCo's (lr 0.5: 1.685 and 1.611 against 1.723 at 0.4 and 0.6 for the sqrt
-# step, 1.627 and 1.640 for synchronous; 2026-11-27) and its mixing alpha (0.25: 1.676 against
+# step, 1.627 and 1.640 for synchronous) and its mixing alpha (0.25: 1.676 against
 # 1.688 at 0.5).
 CANDIDATES = (
     f"{FRACTION_STEP}, outer lr 1.4, momentum 0.9",
@@ -708,7 +708,7 @@ def main() -> None:
     )
     rows = summarize(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    # Seed 0 of the variants issue 11 names (the rest only in the table: the 29 variants run
+    # Seed 0 of the plotted variants (the rest only in the table: the 29 variants run
     # with every seed were more than a legend can tell apart), the last third zoomed.
     firsts = [next((r for r in runs if r["variant"] == n), None) for n in PLOTTED]
     curves = [(f"{PLOTTED[r['variant']]} (seed {r['seed']})", r["evals"]) for r in firsts if r]

@@ -9,11 +9,11 @@ detected and recovered from (or `--limit` seconds passed). From the event tape
 a numerical rejection, LearnerDegraded, SynchronizerLost) minus the injection time; recovery =
 the learner contributes again (LearnerRejoined, LearnerRecovered) or, for the synchronizer, the
 first round after its restore, minus the injection time. Prints the medians per kind; writes
-recovery.json and recovery-<date>.md. Targets (issue 4): detection <= 2 s and contributing again
+recovery.json and recovery.md. Targets: detection <= 2 s and contributing again
 <= 10 s after a host kill.
 
 `--cpu-load N` runs everything beside N busy processes (tests/cpu_load.py), as on a shared
-machine (issue 15), and writes recovery_load.json instead; the machine's load average before
+machine, and writes recovery_load.json instead; the machine's load average before
 and after each kind is recorded either way (other jobs may load it too).
 
   python benchmarks/recovery.py [--quick] [--kinds kill_host,hang_host] [--repeats 3]

@@ -1,7 +1,7 @@
-"""Spread of held-out loss over identical local Ray runs, and the refusals behind it (issue 15).
+"""Spread of held-out loss over identical local Ray runs, and the refusals behind it.
 
-Runs the main command's job (`jobs/local.yaml`: 4 CPU learners, an emulated WAN link;
-K = 1 until 2026-11-28, K = 2 without the grace window since)
+Runs the main command's job (`jobs/local.yaml`: 4 CPU learners, an emulated WAN link, K = 2
+without the grace window)
 `--runs` times, each on its own embedded Ray, and records each run's held-out loss and the
 contributions the synchronizer refused, by reason (`norm_outlier` are the norm guard's). Ray
 runs are not step-for-step identical (arrival order follows the wall clock), so some spread

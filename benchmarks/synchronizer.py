@@ -1,4 +1,4 @@
-"""Synchronizer throughput (issue 14): the merge per core, and shards under load on Ray.
+"""Synchronizer throughput: the merge per core, and shards under load on Ray.
 
 1. merge: one `SynchronizerCore` in a fresh process pinned to one core runs whole rounds of
    one fragment of 1 MB to 1 GB of float32: M learners' deltas as they come off the wire
