@@ -223,7 +223,7 @@ _EVENTS = st.lists(
 
 @settings(max_examples=400, deadline=None)
 @given(_EVENTS)
-@example(  # the order that once lost tokens: base 0 pending while merging, absorbed at base 1, replaced
+@example(  # the order that lost tokens: base 0 pending, absorbed at base 1, replaced
     [
         ("offer", 4),
         ("poll", 0),
