@@ -59,9 +59,11 @@ class FakeLeaves:
 class Supervised:
     """Health and membership wired as the supervisor wires them, around fakes."""
 
-    def __init__(self, names: list[str], cfg: RunConfig | None = None) -> None:
+    def __init__(
+        self, names: list[str], cfg: RunConfig | None = None, hosts: int = 1
+    ) -> None:
         self.cfg = cfg or RunConfig()
-        self.control = Supervision(SupervisorConfig(), names, now=0.0)
+        self.control = Supervision(SupervisorConfig(), names, 0.0, {n: hosts for n in names})
         self.slots: dict[str, FakeSlot] = {n: FakeSlot() for n in names}
         self.sync = FakeSync()
         self.leaves = FakeLeaves()

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from ray_diloco.config import RunConfig
-from ray_diloco.control.events import LearnerState, WorkLost
+from ray_diloco.control.events import LearnerState, StopReason, WorkLost
 from ray_diloco.control.protocol import Registered
 from ray_diloco.control.supervision import KillLearner, StartLearner
 from tests.supervisor_fakes import Supervised, learner
@@ -118,3 +118,15 @@ def test_a_learner_given_up_on_retires_while_enough_others_remain() -> None:
     assert sup.slots["a"].released and sup.leaves.sent == [("a", "retired: gave up")]
     sup.membership.retire_given_up()
     assert len(sup.leaves.sent) == 1  # once
+
+
+def test_only_host_0_says_why_a_multi_host_learner_finished() -> None:
+    """The other hosts end when host 0's broadcast says so, with no reason of their own: a
+    host 1 that finished before the supervisor heard of the budget is no crash."""
+    sup = Supervised(["a"], hosts=2)
+    for host in (0, 1):
+        sup.ping("a", LearnerState.TRAINING, 1.0, host=host)
+    sup.ping("a", LearnerState.FINISHED, 2.0, host=1)  # its stop reason: the default
+    assert sup.commands == [] and "failure_detected" not in sup.kinds()
+    sup.ping("a", LearnerState.FINISHED, 2.5, stop=StopReason.BUDGET, detail="budget")
+    assert sup.control.watches["a"].state is LearnerState.FINISHED

@@ -86,7 +86,9 @@ class Health:
         elif state is LearnerState.DEAD:
             error = (reply.error or "").strip().splitlines()
             self.failed(name, inc, FailureKind.CRASH, now, error[-1] if error else "dead")
-        elif state is LearnerState.FINISHED:
+        elif state is LearnerState.FINISHED and host == 0:
+            # Host 0 speaks for the learner: the other hosts end when its broadcast says so,
+            # without a reason of their own.
             reason, detail = reply.stop_reason, reply.stop_detail
             if restart_after_stop(reason, self.phase.over):
                 self.failed(name, inc, FailureKind.CRASH, now, f"stopped: {detail or reason}")
