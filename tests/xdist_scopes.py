@@ -43,8 +43,9 @@ OWN_RAY = (
 # one worker, per-test start and end times recorded in two runs): the shared-Ray modules 646-756
 # and test_faults 584-631 (one to each worker), test_scavenging 115-133 with
 # test_tpu_placement 46 (less the cluster start they now share), the quick benchmarks
-# 78, the emulated plans 78, the job server 54, monitoring 54. Every other unit follows in
-# collection order.
+# 78 (their longest test alone took 141-195 s in four later suite runs, before goodput.py ran
+# under two failure schedules instead of three), the emulated plans 78, the job server 54,
+# monitoring 54. Every other unit follows in collection order.
 LONGEST_FIRST = (
     SHARED_RAY,
     "tests/chaos/test_faults.py",
