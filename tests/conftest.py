@@ -1,12 +1,13 @@
 """Options and hooks shared by every test directory (pytest reads `pytest_addoption` only here).
 
 The suite runs on two pytest-xdist workers (`-n 2` in pyproject.toml), split as
-tests/xdist_scopes.py says: each chaos module is a unit (one emulated cluster, started once),
-the Ray tests that share one Ray are another, and the short modules fill the gaps. One after
-the other the suite took 19 min on 2 cores, mostly waiting on paced steps and boots; side by
-side the chaos tests also run on a busy machine every time, as they must. Three
-workers (load 13 on 2 cores, measured) were too many: a restarted learner's boot outlasted a
-chaos run's budget and an embedded Ray's raylet missed Ray's 30 s registration wait.
+tests/xdist_scopes.py says: the chaos modules are two units (one emulated cluster each,
+started once), the Ray tests that share one Ray are another, and the short modules fill the
+gaps. One after the other the suite took 19 min on 2 cores, mostly waiting on paced steps and
+boots; side by side the chaos tests also run on a busy machine every time, as they must.
+Three workers (load 13 on 2 cores, measured) were too many: a restarted learner's boot
+outlasted a chaos run's budget and an embedded Ray's raylet missed Ray's 30 s registration
+wait.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """How the suite is split over its pytest-xdist workers (tests/conftest.py hooks this in).
 
-A work unit goes to one worker and runs there in one piece: each chaos module is a unit (one
-emulated cluster, started once), the tests/ray modules that share one embedded Ray
-(tests/ray/conftest.py's `ray_local`) are one, and every other module is one. Units are handed
-out longest first, so the two long ones start at once on the two workers and the short ones
-fill the gaps at the end (list scheduling, longest first).
+A work unit goes to one worker and runs there in one piece: test_faults is a unit (its own
+emulated cluster, started once), the other chaos modules, which share one emulated cluster
+(tests/chaos/conftest.py's `tpu_cluster`), are one, the tests/ray modules that share one
+embedded Ray (tests/ray/conftest.py's `ray_local`) are one, and every other module is one.
+Units are handed out longest first, so the two long ones start at once on the two workers and
+the short ones fill the gaps at the end (list scheduling, longest first).
 
 The order matters at the end too: xdist gives a worker its next unit as soon as its current one
 has two tests left (it needs the next test to tear the last one down), so a long unit handed out
@@ -23,6 +24,12 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 SHARED_RAY = "tests/ray/ (shared Ray)"
+# tests/chaos modules that share one emulated cluster (tests/chaos/conftest.py's `tpu_cluster`):
+# short runs that leave the cluster as they found it. test_faults keeps a cluster of its own:
+# its kills and node removals would leave these a cluster of replaced hosts, and it is long
+# enough on its own.
+SHARED_CLUSTER = "tests/chaos/ (shared cluster)"
+SHARED_CLUSTER_MODULES = ("test_scavenging.py", "test_tpu_placement.py")
 # tests/ray modules that start a Ray of their own (a job server, a dashboard, a cluster from
 # the job files, an embedded Ray whose first node fails): nothing to share, so each is a unit
 # that can run beside the shared one.
@@ -34,26 +41,30 @@ OWN_RAY = (
 )
 # The longest units, longest first (clean-clone suite runs, 2 cores, seconds of
 # one worker, per-test start and end times recorded in two runs): the shared-Ray modules 646-756
-# and test_faults 584-631 (one to each worker), test_scavenging 115-133, the quick benchmarks
-# 78, the emulated plans 78, the job server 54, monitoring 54, test_tpu_placement 46. Every
-# other unit follows in collection order.
+# and test_faults 584-631 (one to each worker), test_scavenging 115-133 with
+# test_tpu_placement 46 (less the cluster start they now share), the quick benchmarks
+# 78 (their longest test alone took 141-195 s in four later suite runs, before goodput.py ran
+# under two failure schedules instead of three), the emulated plans 78, the job server 54,
+# monitoring 54. Every other unit follows in collection order.
 LONGEST_FIRST = (
     SHARED_RAY,
     "tests/chaos/test_faults.py",
-    "tests/chaos/test_scavenging.py",
+    SHARED_CLUSTER,
     "tests/unit/test_benchmarks.py",
     "tests/ray/test_plan_emulated.py",
     "tests/ray/test_job_server.py",
     "tests/ray/test_monitoring.py",
-    "tests/chaos/test_tpu_placement.py",
 )
 
 
 def unit_of(nodeid: str) -> str:
-    """The work unit of the test `nodeid`: its module, or `SHARED_RAY`."""
+    """The work unit of the test `nodeid`: its module, `SHARED_RAY` or `SHARED_CLUSTER`."""
     module = nodeid.split("::", 1)[0]
-    if module.startswith("tests/ray/") and module.rsplit("/", 1)[1] not in OWN_RAY:
+    name = module.rsplit("/", 1)[-1]
+    if module.startswith("tests/ray/") and name not in OWN_RAY:
         return SHARED_RAY
+    if module.startswith("tests/chaos/") and name in SHARED_CLUSTER_MODULES:
+        return SHARED_CLUSTER
     return module
 
 
