@@ -74,6 +74,13 @@ VARIANTS: dict[str, list[str]] = {
         "outer.lr=0.35",
     ],
     "K=8, outer lr 0.35": ["diloco.quorum_min=8", "diloco.grace_fraction=0", "outer.lr=0.35"],
+    # Kept work was trained against an older G: anchored at its base, a contribution is its
+    # learner's own update, whatever G did since.
+    "K=1 + grace, keep unsent work, fraction step, base anchor": [
+        "diloco.keep_unsent_work=true",
+        "diloco.round_step=fraction",
+        "diloco.outer_anchor=base",
+    ],
 }
 
 
@@ -158,6 +165,7 @@ def summarize(runs: list[dict[str, Any]], variants: list[str]) -> list[dict[str,
 def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> None:
     """Left: held-out loss over tokens, seed 0 of each variant. Right: loss against goodput of
     merged work per seed, so the trade-off the grace window is meant to win reads at a glance."""
+    import matplotlib
     from matplotlib.figure import Figure
 
     from ray_diloco.sim.figures import save_figure
@@ -165,7 +173,7 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> 
     fig = Figure(figsize=(13, 4.8))
     curves, trade = fig.subplots(1, 2)
     for i, row in enumerate(rows):
-        colour = f"C{i}"
+        colour = f"C{i}" if len(rows) <= 10 else matplotlib.colormaps["tab20"](i)
         first = next(r for r in runs if r["variant"] == row["variant"] and r["seed"] == 0)
         tokens = [e["tokens"] / 1e3 for e in first["evals"]]
         curves.plot(tokens, [e["heldout_loss"] for e in first["evals"]], color=colour)
