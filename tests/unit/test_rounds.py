@@ -450,6 +450,38 @@ def test_a_leave_lets_a_round_of_kept_work_reach_its_quorum_at_once():
     assert book.fragments[0].quorum_s == 2.0
 
 
+def test_a_learner_that_left_is_neither_live_nor_in_the_run():
+    book = RoundBook(policy(quorum_min=3), num_fragments=1, roster={"a", "b", "c"})
+    for n in ("a", "b", "c"):
+        book.register(n, 0, now=0.0)
+    assert book.quorum(now=0.0) == 3
+    book.leave("c", now=1.0)
+    assert book.live(now=1.0) == {"a", "b"}  # at once, not a heartbeat timeout later
+    assert book.roster == {"a", "b"} and book.quorum(now=1.0) == 2
+    # its reports no longer count, and a round of the two left closes without waiting for it
+    assert not book.heartbeat("c", 0, now=1.5, step_time_s=1.0)
+    book.offer(meta("a"), now=2.0)
+    book.offer(meta("b"), now=2.0)
+    (close,) = book.poll(now=2.0)
+    assert close.learners == 2
+
+
+def test_the_norm_guard_is_not_armed_before_its_warm_up_rounds():
+    book = book_with(["a"], policy(norm_guard_warmup_rounds=3, grace_max_s=0.0))
+    assert book.offer(meta("a", steps=4, step=4), now=0.0, update_norm=1.0) is Verdict.ACCEPTED
+    (close,) = book.poll(now=0.0)
+    book.commit(close, sync_time_s=0.0, now=0.0)  # one round of three: not armed yet
+    huge = meta("a", base=1, steps=4, step=8)
+    assert book.offer(huge, now=1.0, update_norm=1e6) is Verdict.ACCEPTED
+
+
+def test_next_deadline_skips_fragments_without_a_quorum():
+    book = book_with(["a", "b"], policy(), num_fragments=3)
+    assert book.next_deadline() is None
+    book.offer(meta("a", fragment=1), now=0.5)  # grace 0.5 x 2 x 1 s = 1.0
+    assert book.next_deadline() == pytest.approx(1.5)
+
+
 def test_a_restart_during_a_merge_that_fails_keeps_the_old_work_apart():
     book = book_with(["a"], policy(grace_max_s=0.0))
     book.offer(meta("a", steps=4, tokens=400), now=0.0)

@@ -74,3 +74,34 @@ def test_recipients() -> None:
     live = ["a", "b", "c"]
     assert variants.to_all({"b"}, live) == live
     assert variants.to_contributors({"b", "x"}, live) == ["b"]
+
+
+def test_sqrt_each_is_one_over_sqrt_learners_a_learner() -> None:
+    assert variants.step_sqrt_each(1, 8)[1] == pytest.approx(8**-0.5)
+
+
+def test_accelerate_window_edges() -> None:
+    H = 8
+    assert variants.accelerate_window([0.5, 0.5], [16, 16], H) == 0.5  # weights of any scale
+    assert variants.accelerate_window([0.0], [8], H) == 1.0  # no weight: nothing to throttle
+    assert variants.accelerate_window([1.0], [4], H) == 1.0  # under one window: all of it
+    with pytest.raises(ValueError):
+        variants.accelerate_window([1.0, 1.0], [8], H)
+
+
+def test_a_base_anchored_contribution_is_g_plus_its_own_update() -> None:
+    g = {"w": np.array([1.0, 1.0], np.float32)}
+    held_at = {"w": np.array([0.25, -0.5], np.float32)}
+    theta = {"w": np.array([0.5, -0.25], np.float32)}
+    moved = variants.ANCHORS["base"].values(theta, held_at, g)["w"]
+    np.testing.assert_array_equal(moved, [1.25, 1.25])
+
+
+def test_variants_are_chosen_from_the_config() -> None:
+    d = DilocoConfig(
+        round_step="fraction", accelerate="all", outer_anchor="base", publish_to="contributors"
+    )
+    v = variants.Variants.of(d)
+    assert v.round_step is variants.step_fraction and v.accelerate is variants.accelerate_all
+    assert v.anchor is variants.ANCHORS["base"] and v.recipients is variants.to_contributors
+    assert variants.scaled({"a": 2.0, "b": 4.0}, 0.5) == {"a": 1.0, "b": 2.0}
