@@ -42,49 +42,11 @@ class Streamed:
     anchor: Values | None = None
 
 
-Fill = wire.Fill
-
-
-def _reader(enc: wire.Encoded) -> Fill:
-    """`fill(s, e, out)`: decode elements s:e of `enc` into the float32 `out`, reading views of
-    its buffers (no copy of the leaf). `s` may be any multiple of the elements a payload byte
-    holds (every chunk start here is a multiple of `CHUNK`). The values are `wire.decode`'s,
-    bit for bit: a bfloat16 widens exactly, a blockwise value is one float32 product."""
+def _reader(enc: wire.Encoded) -> wire.Fill:
+    """`fill(s, e, out)`: decode elements s:e of `enc` into the float32 `out` from views of its
+    buffers (no copy of the leaf): `wire.decode`'s values, bit for bit, from any chunk start."""
     wire._checked(enc)  # payload and scales of the sizes the elements need
-    if enc.dtype == "bfloat16":
-        bits = np.frombuffer(enc.payload, dtype="<u2").astype(np.uint16, copy=False)
-
-        def fill_bf16(s: int, e: int, out: np.ndarray) -> None:
-            # A bfloat16 is the top half of its float32: a shift beats ml_dtypes' cast loop.
-            np.left_shift(bits[s:e], 16, out=out.view(np.uint32), dtype=np.uint32)
-
-        return fill_bf16
-    if enc.dtype in ("float32", "int8"):
-        return wire._decoder(enc)[1]  # a copy or one product: any start will do
-    packed = np.frombuffer(enc.payload, dtype=np.uint8)
-    scales = np.frombuffer(enc.scales, dtype="<f4").astype(F32, copy=False)
-    table = wire._UNPACK[enc.dtype]
-    per_byte = table.shape[1]
-    bs = enc.block_size
-
-    def fill_blocks(s: int, e: int, out: np.ndarray) -> None:
-        part = packed[s // per_byte : -(-e // per_byte)]
-        if (e - s) % per_byte == 0:  # one gather: each byte to its values
-            np.take(table, part, axis=0, out=out.reshape(-1, per_byte))
-        else:  # the leaf's last chunk, with the padding fields
-            out[...] = table[part].reshape(-1)[: e - s]
-        # Scales by block: the part of a block the chunk starts in, its whole blocks, and the
-        # part of the block it ends in.
-        head = min(e, -(-s // bs) * bs) - s
-        if head:
-            out[:head] *= scales[s // bs]
-        whole = (e - s - head) // bs * bs
-        first = (s + head) // bs
-        out[head : head + whole].reshape(-1, bs)[...] *= scales[first : first + whole // bs, None]
-        if head + whole < e - s:
-            out[head + whole :] *= scales[(s + head + whole) // bs]
-
-    return fill_blocks
+    return wire._decoder(enc)[1]
 
 
 class _Source:
