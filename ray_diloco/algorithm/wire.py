@@ -221,7 +221,9 @@ def _decoder(enc: Encoded) -> tuple[int, Fill]:
     def fill4(s: int, e: int, out: np.ndarray) -> None:
         part = packed[s // per_byte : -(-e // per_byte)]
         if (e - s) % per_byte == 0:  # one gather: each byte to its values
-            np.take(table, part, axis=0, out=out.reshape(-1, per_byte))
+            # A byte indexes a row of the table whatever its value: "clip" never clips, and
+            # saves the temporary copy of `out` that the default "raise" writes through.
+            np.take(table, part, axis=0, out=out.reshape(-1, per_byte), mode="clip")
         else:  # the leaf's last chunk, with the padding fields
             out[...] = table[part].reshape(-1)[: e - s]
         # Scales by block: the rest of the block the chunk starts in (none from a chunk
