@@ -20,6 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ray_diloco.algorithm import merge, wire
 from ray_diloco.algorithm.chunks import CHUNK, F32, flat32
@@ -121,13 +122,17 @@ def _combine(
 
 
 def arrival_norms(
-    enc: wire.Encoded, start: np.ndarray, anchor: np.ndarray | None = None
+    enc: wire.Encoded, start: ArrayLike, anchor: ArrayLike | None = None
 ) -> tuple[float, float]:
     """`wire.decode_add(enc, start, anchor)`'s two figures, `||anchor - (start + decode(enc))||^2`
     and `||decode(enc)||^2`, bit for bit (its chunks, its sums), without its array: what the
     synchronizer measures as an offer arrives (the norm guard's, and RDA's first pass), before
-    it keeps the offer encoded. `start`, `anchor`: flat float32."""
+    it keeps the offer encoded. `start`, `anchor`: of the leaf's shape (or flat)."""
     n = wire._checked(enc)
+    b = flat32(start)
+    g = None if anchor is None else flat32(anchor)
+    if b.size != n or (g is not None and g.size != n):
+        raise ValueError(f"arrival_norms: {n} elements on the wire, values of another size")
     step, _ = wire._decoder(enc)
     fill = _reader(enc)
     buf = np.empty(min(step, n), F32)
@@ -139,9 +144,9 @@ def arrival_norms(
             chunk = buf[: e - s]
             fill(s, e, chunk)
             own += float(np.dot(chunk, chunk))
-            chunk += start[s:e]
-            if anchor is not None:
-                diff = np.subtract(anchor[s:e], chunk, out=tmp[: e - s])
+            chunk += b[s:e]
+            if g is not None:
+                diff = np.subtract(g[s:e], chunk, out=tmp[: e - s])
                 sq += float(np.dot(diff, diff))
     return sq, own
 

@@ -4,6 +4,7 @@ copy per contribution."""
 
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 from collections.abc import Callable
 
@@ -64,12 +65,17 @@ def test_reader_is_decode_from_any_chunk_start(dtype: WireDtype, bs: int) -> Non
 @pytest.mark.parametrize(("dtype", "bs"), WIRES)
 def test_arrival_norms_are_decode_adds(dtype: WireDtype, bs: int) -> None:
     rng = np.random.default_rng(2)
-    n = 2 * CHUNK + 11
+    n = 2 * CHUNK + 1  # odd, a multiple of 3 and of no block size
     enc = _enc(rng, n, dtype, bs, 1e-3)
     base, g = rng.normal(0, 0.02, (2, n)).astype(np.float32)
     _, sq, own = wire.decode_add(enc, base, g)
     assert arrival_norms(enc, base, g) == (sq, own)
     assert arrival_norms(enc, base) == (0.0, own)
+    # A leaf of two dimensions is read flat, as decode_add reads it.
+    two_d = dataclasses.replace(enc, shape=(3, n // 3))  # the same bytes
+    assert arrival_norms(two_d, base.reshape(3, -1), g.reshape(3, -1)) == (sq, own)
+    with pytest.raises(ValueError, match="arrival_norms"):
+        arrival_norms(enc, base[:-1], g)
 
 
 CASES = [(*w, m, CHUNK) for w in WIRES for m in ("rda", "mean")]
