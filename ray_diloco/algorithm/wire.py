@@ -168,14 +168,6 @@ def _checked(enc: Encoded) -> int:
     return n
 
 
-def _float_payload(enc: Encoded) -> np.ndarray:
-    """The payload of a float32 or bfloat16 leaf as an array of that dtype (no copy)."""
-    if enc.dtype == "float32":
-        return np.frombuffer(enc.payload, dtype=_F32)
-    bits = np.frombuffer(enc.payload, dtype="<u2").astype(np.uint16, copy=False)
-    return bits.view(ml_dtypes.bfloat16)
-
-
 Fill = Callable[[int, int, np.ndarray], None]
 
 
@@ -194,15 +186,26 @@ _UNPACK = {dtype: _unpack_table(bits) for dtype, (bits, _) in _BLOCKWISE.items()
 
 
 def _decoder(enc: Encoded) -> tuple[int, Fill]:
-    """(chunk size, fill): `fill(s, e, out)` writes decoded elements s:e into `out`, for
-    chunks that start at multiples of the chunk size (int4 chunks hold whole blocks)."""
-    if enc.dtype in ("float32", "bfloat16"):
-        src = _float_payload(enc)
+    """(chunk size, fill): `fill(s, e, out)` writes decoded elements s:e into `out`, reading
+    views of the leaf's buffers. Any `s` will do that is a multiple of the elements a payload
+    byte holds (`stream_merge.py` starts chunks at multiples of `CHUNK`); the chunk size is the
+    one `decode` and `decode_add` step by (int4 chunks of whole blocks)."""
+    if enc.dtype == "float32":
+        src = np.frombuffer(enc.payload, dtype=_F32)
 
         def fill(s: int, e: int, out: np.ndarray) -> None:
-            out[...] = src[s:e]  # converts bfloat16 to float32
+            out[...] = src[s:e]
 
         return CHUNK, fill
+    if enc.dtype == "bfloat16":
+        bits = np.frombuffer(enc.payload, dtype="<u2").astype(np.uint16, copy=False)
+
+        def fill_bf16(s: int, e: int, out: np.ndarray) -> None:
+            # A bfloat16 is the top half of its float32: the shift is exact, and twice as fast
+            # as ml_dtypes' cast.
+            np.left_shift(bits[s:e], 16, out=out.view(np.uint32), dtype=np.uint32)
+
+        return CHUNK, fill_bf16
     if enc.dtype == "int8":
         q8 = np.frombuffer(enc.payload, dtype=np.int8)
         scale = np.frombuffer(enc.scales, dtype=_F32)[0]
@@ -218,14 +221,21 @@ def _decoder(enc: Encoded) -> tuple[int, Fill]:
     def fill4(s: int, e: int, out: np.ndarray) -> None:
         part = packed[s // per_byte : -(-e // per_byte)]
         if (e - s) % per_byte == 0:  # one gather: each byte to its values
-            np.take(table, part, axis=0, out=out.reshape(-1, per_byte))
+            # A byte indexes a row of the table whatever its value: "clip" never clips, and
+            # saves the temporary copy of `out` that the default "raise" writes through.
+            np.take(table, part, axis=0, out=out.reshape(-1, per_byte), mode="clip")
         else:  # the leaf's last chunk, with the padding fields
             out[...] = table[part].reshape(-1)[: e - s]
-        block = scales[s // bs : -(-e // bs)]
-        whole = (e - s) // bs * bs
-        out[:whole].reshape(-1, bs)[...] *= block[: whole // bs, None]
-        if whole < e - s:
-            out[whole:] *= block[-1]
+        # Scales by block: the rest of the block the chunk starts in (none from a chunk
+        # boundary), its whole blocks, and the part of the block it ends in.
+        head = min(e, -(-s // bs) * bs) - s
+        if head:
+            out[:head] *= scales[s // bs]
+        whole = (e - s - head) // bs * bs
+        first = (s + head) // bs
+        out[head : head + whole].reshape(-1, bs)[...] *= scales[first : first + whole // bs, None]
+        if head + whole < e - s:
+            out[head + whole :] *= scales[(s + head + whole) // bs]
 
     return step, fill4
 
