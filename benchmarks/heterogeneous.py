@@ -137,24 +137,28 @@ def run_one(job: tuple[str, list[str], int, bool]) -> dict[str, Any]:
     }
 
 
+# Each run's figures a row averages over the seeds (with their spread).
+MEASURES = (
+    "heldout_loss",
+    "goodput",
+    "goodput_merged",
+    "mean_contributors",
+    "merged_share_fast",
+    "merged_share_slow",
+    "merged_share_min",
+    "overwritten_share_fast",
+    "overwritten_share_slow",
+    "outer_steps_per_fragment",
+)
+
+
 def summarize(runs: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
     """Mean and spread (max - min) over the seeds of each variant."""
     rows = []
     for name in variants:
         mine = [r for r in runs if r["variant"] == name]
         row: dict[str, Any] = {"variant": name, "seeds": len(mine)}
-        for key in (
-            "heldout_loss",
-            "goodput",
-            "goodput_merged",
-            "mean_contributors",
-            "merged_share_fast",
-            "merged_share_slow",
-            "merged_share_min",
-            "overwritten_share_fast",
-            "overwritten_share_slow",
-            "outer_steps_per_fragment",
-        ):
+        for key in MEASURES:
             values = [r[key] for r in mine]
             row[key] = statistics.mean(values)
             row[f"{key}_spread"] = max(values) - min(values)
@@ -199,21 +203,7 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> 
     save_figure(fig, path, dpi=110)
 
 
-COLUMNS = [
-    "variant",
-    "seeds",
-    "heldout_loss",
-    "heldout_loss_spread",
-    "goodput",
-    "goodput_merged",
-    "mean_contributors",
-    "merged_share_fast",
-    "merged_share_slow",
-    "merged_share_min",
-    "overwritten_share_fast",
-    "overwritten_share_slow",
-    "outer_steps_per_fragment",
-]
+COLUMNS = ["variant", "seeds", MEASURES[0], f"{MEASURES[0]}_spread", *MEASURES[1:]]
 
 
 def earlier_runs(path: Path, rerun: set[str]) -> list[dict[str, Any]]:

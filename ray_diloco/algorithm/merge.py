@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -164,6 +164,15 @@ def outer_gradient(
     return {path: _scaled(leaf) for path, leaf in parts.items()}
 
 
+def check_round(method: str, contributions: Sequence[tuple[Any, float]]) -> list[float]:
+    """A round's merge rule and contributions checked; returns their weights."""
+    if method not in ("rda", "mean"):
+        raise ValueError(f"diloco.merge={method!r}: expected 'rda' or 'mean'")
+    if not contributions:
+        raise ValueError("outer_gradient: a round needs at least one contribution")
+    return [weight for _, weight in contributions]
+
+
 def scaled_outer_gradient(
     global_values: Mapping[str, ArrayLike],
     contributions: Sequence[tuple[Mapping[str, ArrayLike], float]],
@@ -176,11 +185,7 @@ def scaled_outer_gradient(
     the merge a pass over the fragment. `sq_norms[c]`, when given, holds `||G - theta_c||^2`
     per leaf, already measured against this G (the norm guard does that as the contribution
     arrives), which saves RDA another."""
-    if method not in ("rda", "mean"):
-        raise ValueError(f"diloco.merge={method!r}: expected 'rda' or 'mean'")
-    if not contributions:
-        raise ValueError("outer_gradient: a round needs at least one contribution")
-    weights = [weight for _, weight in contributions]
+    weights = check_round(method, contributions)
     result: dict[str, Scaled] = {}
     for path, global_value in global_values.items():
         thetas = []

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_diloco.algorithm.guards import NormHistory, implausible
+from ray_diloco.algorithm.guards import Gate, NormHistory
 from ray_diloco.algorithm.round_types import (
     ContributionMeta,
     Pending,
@@ -116,6 +116,7 @@ class RoundBook:
         owned: Iterable[int] | None = None,
     ) -> None:
         self.policy = policy
+        self.gate = Gate(policy)  # fencing and the numerical guards (algorithm/guards.py)
         self._late = LATE_POLICIES[policy.late_policy]
         # The fragments whose rounds this book runs (a synchronizer shard owns some of them).
         ids = range(num_fragments) if owned is None else sorted(owned)
@@ -239,10 +240,21 @@ class RoundBook:
     ) -> Verdict:
         """Fence and guard a contribution, then add it to its fragment's pending set.
         `update_norm`: the L2 norm of the learner's own update (its delta to its base)."""
-        verdict = self._check(meta, finite, update_norm)
+        member = self.members.get(meta.learner)
+        frag = self.fragments[meta.fragment]
+        verdict = self.gate.verdict(
+            meta,
+            None if member is None else member.incarnation,
+            None if member is None else member.tokens_per_step,
+            frag.version,
+            meta.fragment in self.held,
+            frag.taken_step.get(meta.learner, -1),
+            frag.norms,
+            finite,
+            update_norm,
+        )
         if verdict is not Verdict.ACCEPTED:
             return verdict
-        frag = self.fragments[meta.fragment]
         steps, tokens = meta.num_steps, meta.num_tokens
         done = frag.merged.get(meta.learner)
         if done is not None and done[0] == meta.base_version:
@@ -253,8 +265,7 @@ class RoundBook:
             if steps <= 0 or tokens <= 0:
                 return Verdict.EMPTY
         frag.taken_step[meta.learner] = meta.step
-        if update_norm is not None and self._after_warmup(meta):
-            frag.norms.record(meta.learner, update_norm / meta.num_steps)
+        self.gate.accepted(frag.norms, meta, update_norm)
         old = frag.pending.get(meta.learner)
         carried = (0, 0)
         if old is not None:
@@ -273,52 +284,6 @@ class RoundBook:
             frag.opened_s = now
         self._maybe_reach_quorum(frag, now)
         return Verdict.ACCEPTED
-
-    def _check(self, meta: ContributionMeta, finite: bool, norm: float | None) -> Verdict:
-        m = self.members.get(meta.learner)
-        if m is None:
-            return Verdict.UNKNOWN_LEARNER
-        if meta.incarnation != m.incarnation:
-            return Verdict.OLD_INCARNATION
-        # Non-finite before the version checks: it says the learner's state may be corrupt
-        # (the supervisor restarts it), which matters however stale the contribution is.
-        if not finite or (norm is not None and norm != norm):
-            return Verdict.NON_FINITE
-        if meta.fragment in self.held:
-            return Verdict.RECOVERING
-        frag = self.fragments[meta.fragment]
-        if meta.base_version > frag.version:
-            return Verdict.FUTURE_VERSION
-        if frag.version - meta.base_version > self.policy.max_staleness_versions:
-            return Verdict.STALE_VERSION
-        if meta.num_steps <= 0 or meta.num_tokens <= 0:
-            return Verdict.EMPTY
-        if implausible(meta, m.tokens_per_step, self.policy.max_tokens):
-            return Verdict.IMPLAUSIBLE
-        if meta.step <= frag.taken_step.get(meta.learner, -1):
-            # An incarnation's steps only grow: an offer no newer than one already taken is a
-            # replay (resent, duplicated or reordered), and taking it would count its work twice.
-            return Verdict.REPLAYED
-        if norm is not None and self._outlier(frag, meta, norm):
-            return Verdict.NORM_OUTLIER
-        return Verdict.ACCEPTED
-
-    def _after_warmup(self, meta: ContributionMeta) -> bool:
-        """Every step of the contribution came after the inner learning-rate warm-up."""
-        return meta.step - meta.num_steps >= self.policy.inner_warmup_steps
-
-    def _outlier(self, frag: _FragmentState, meta: ContributionMeta, norm: float) -> bool:
-        """The norm guard (docs/algorithm.md section 7, revised; algorithm/guards.py judges):
-        the learner's own update per inner step against its own recent ones. Its own update,
-        because the distance to the current global value includes other learners' drift; per
-        step, because a contribution covering more steps is longer by construction; only
-        updates after the inner warm-up, during which they grow tenfold. Armed once the
-        fragment closed `norm_guard_warmup_rounds` rounds (rounds, not stored norms: with M
-        learners one round adds M of them) and holds a norm from after the warm-up."""
-        warm = frag.version >= max(1, self.policy.norm_guard_warmup_rounds)
-        if not (warm and frag.norms.everyone and self._after_warmup(meta)):
-            return False
-        return frag.norms.outlier(meta.learner, norm / meta.num_steps, self.policy.norm_guard)
 
     def _maybe_reach_quorum(self, frag: _FragmentState, now: float) -> None:
         if frag.quorum_s is not None or len(self._in(frag)) < self.quorum(now):

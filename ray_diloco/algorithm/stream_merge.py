@@ -24,7 +24,7 @@ from numpy.typing import ArrayLike
 
 from ray_diloco.algorithm import merge, wire
 from ray_diloco.algorithm.chunks import CHUNK, F32, flat32
-from ray_diloco.algorithm.merge import MergeMethod, Scaled
+from ray_diloco.algorithm.merge import MergeMethod, Scaled, check_round
 
 Values = Mapping[str, np.ndarray]
 
@@ -206,11 +206,7 @@ def stream_outer_gradient(
     """`merge.scaled_outer_gradient(global_values, [(theta_c, w_c)], ...)` with each `theta_c`
     given as a `Streamed` contribution (still encoded) instead of a float32 array: the same
     leaves, the same `(array, scale)` pairs, bit for bit."""
-    if method not in ("rda", "mean"):
-        raise ValueError(f"diloco.merge={method!r}: expected 'rda' or 'mean'")
-    if not contributions:
-        raise ValueError("outer_gradient: a round needs at least one contribution")
-    weights = [weight for _, weight in contributions]
+    weights = check_round(method, contributions)
     result: dict[str, Scaled] = {}
     for path, value in global_values.items():
         g = flat32(value)

@@ -6,10 +6,12 @@ Every component receives only its own sub-config. YAML files in `jobs/` are load
 YAML scalars). Errors name the field and the fix; nothing here imports jax or ray.
 
 `base.py` (the error, the frozen model), `schema.py` (the run's sections and `RunConfig`),
+`chaos.py` (fault injection), `metrics.py` (what a run exports), `mesh.py` (a learner's mesh),
 `sims.py` (the simulators' sections), `files.py` (YAML, overrides, error lines, the dump).
 """
 
 from ray_diloco.config.base import ConfigError, WireDtype
+from ray_diloco.config.chaos import ChaosConfig, FaultKind, ScheduledFault
 from ray_diloco.config.diloco import DilocoConfig, Mode
 from ray_diloco.config.files import (
     add_config_args,
@@ -23,25 +25,21 @@ from ray_diloco.config.files import (
     parse_yaml,
     whole_number,
 )
+from ray_diloco.config.metrics import MetricsConfig, WandbConfig
 from ray_diloco.config.schema import (
     Accelerator,
-    ChaosConfig,
     CheckpointConfig,
     ClusterConfig,
     ElasticConfig,
-    FaultKind,
     InnerOptimizerConfig,
     LearnerGroupConfig,
     LinkConfig,
     MembershipChange,
     MeshConfig,
-    MetricsConfig,
     OuterOptimizerConfig,
     RunConfig,
-    ScheduledFault,
     SupervisorConfig,
     SynchronizerConfig,
-    WandbConfig,
 )
 from ray_diloco.config.sims import BandwidthSimConfig, GoodputSimConfig
 

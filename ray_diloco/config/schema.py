@@ -9,8 +9,10 @@ from pydantic import Field, model_validator
 
 from ray_diloco.config import slices
 from ray_diloco.config.base import _Frozen
+from ray_diloco.config.chaos import ChaosConfig
 from ray_diloco.config.diloco import DilocoConfig
 from ray_diloco.config.mesh import MeshConfig
+from ray_diloco.config.metrics import MetricsConfig
 from ray_diloco.config.sims import BandwidthSimConfig, GoodputSimConfig
 
 
@@ -218,54 +220,6 @@ class SupervisorConfig(_Frozen):
         return self
 
 
-FaultKind = Literal[
-    "kill_host",
-    "kill_group",
-    "remove_node",
-    "hang_host",
-    "straggler",
-    "cut_link",
-    "slow_link",
-    "corrupt_nan",
-    "corrupt_norm",
-    "kill_synchronizer",
-]
-
-
-class ScheduledFault(_Frozen):
-    at_s: float = Field(ge=0)
-    kind: FaultKind
-    target: str | None = Field(
-        None, description="learner name, region or synchronizer shard; None picks by seed"
-    )
-    duration_s: float = Field(0.0, ge=0)
-    factor: float = Field(1.0, gt=0, description="slowdown factor for straggler/slow_link")
-    during_checkpoint: bool = Field(
-        False,
-        description="kill_synchronizer only: start a checkpoint write and kill while it runs",
-    )
-
-    @model_validator(mode="after")
-    def _checkpoint_kill(self) -> ScheduledFault:
-        if self.during_checkpoint and self.kind != "kill_synchronizer":
-            raise ValueError(
-                f"during_checkpoint applies to kill_synchronizer only, not {self.kind}; remove it"
-            )
-        return self
-
-
-class ChaosConfig(_Frozen):
-    enabled: bool = False
-    seed: int = 0
-    mtbf_s: float | None = Field(None, gt=0, description="mean time between failures per learner")
-    kinds: tuple[FaultKind, ...] = ("kill_host",)
-    schedule: tuple[ScheduledFault, ...] = ()
-    fault_duration_s: float = Field(3.0, ge=0)
-    # Failure costs the in-process reference run charges (a Ray run measures them instead).
-    restart_s: float = Field(1.0, ge=0, description="detection + restart + compile, virtual s")
-    dp_checkpoint_every_steps: int = Field(50, ge=1, description="data-parallel checkpoints")
-
-
 class CheckpointConfig(_Frozen):
     enabled: bool = True
     keep: int = Field(2, ge=1)
@@ -311,30 +265,6 @@ class ElasticConfig(_Frozen):
     # collectives, a recompiled step): Gemini reports tens of seconds per elastic
     # reconfiguration; 30 inner steps is that at a one-second step.
     remesh_steps: int = Field(30, ge=0, description="data-parallel pause per change, in steps")
-
-
-class WandbConfig(_Frozen):
-    """Weights & Biases logging of the driver's progress points (`wandb` is imported only when
-    this is enabled: `pip install ray_diloco[wandb]`)."""
-
-    enabled: bool = Field(False, description="log every progress point to W&B (off: no import)")
-    project: str = Field("ray_diloco", description="the W&B project")
-    entity: str | None = Field(None, description="the W&B team or user (None: your default)")
-    mode: Literal["online", "offline"] = Field(
-        "online", description="offline: write the W&B run under run_dir to sync it later"
-    )
-
-
-class MetricsConfig(_Frozen):
-    eval_every_s: float = Field(10.0, gt=0)
-    log_every_s: float = Field(2.0, gt=0)
-    export_ray_metrics: bool = True
-    tensorboard: bool = Field(
-        True, description="TensorBoard event files in run_dir/tensorboard (one run per learner)"
-    )
-    wandb: WandbConfig = Field(
-        default_factory=WandbConfig, description="Weights & Biases logging (off by default)"
-    )
 
 
 class RunConfig(_Frozen):

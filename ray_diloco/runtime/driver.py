@@ -34,8 +34,6 @@ from ray_diloco.algorithm.links import ring_allreduce_bytes
 from ray_diloco.config import ConfigError, RunConfig, check_output_dir, config_digest, dump_config
 from ray_diloco.control.events import Event
 from ray_diloco.control.protocol import (
-    HostStatus,
-    LearnerProgress,
     SupervisorStatus,
     SynchronizerStatus,
 )
@@ -426,7 +424,11 @@ def _summary(
         "synchronizer_restores": sup.synchronizer.restores,
         "learners": {
             n: {
-                "inner_steps": _final_or_reported(final.get(n), st.learners.get(n), "step"),
+                "inner_steps": (  # its own final status, else its last progress report
+                    final[n].step
+                    if n in final
+                    else (st.learners[n].step if n in st.learners else None)
+                ),
                 "tokens": st.learners[n].cursor if n in st.learners else 0,  # the ledger's
                 "final_cursor": final[n].cursor if n in final else None,  # the learner's own
                 "contributions_merged": st.contributions_merged.get(n, 0),
@@ -440,10 +442,3 @@ def _summary(
         },
     }
 
-
-def _final_or_reported(
-    final: HostStatus | None, reported: LearnerProgress | None, field: str
-) -> int | None:
-    """A learner's figure from its own final status, else from its last progress report."""
-    source = final if final is not None else reported
-    return None if source is None else int(getattr(source, field))
