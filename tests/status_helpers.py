@@ -23,6 +23,7 @@ def sync_status(**fields: Any) -> SynchronizerStatus:
         live=[],
         mean_contributors=0.0,
         contributions_merged={},
+        tokens_merged={},
         heldout_loss=None,
         evals=[],
         bytes_up={},

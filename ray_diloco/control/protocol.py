@@ -122,6 +122,9 @@ class SynchronizerStatus:
     live: list[str]
     mean_contributors: float
     contributions_merged: dict[str, int]
+    # learner -> tokens of its work merged, summed over the status's fragments (every token
+    # trains every fragment, so a learner's share divides by fragments x its cursor)
+    tokens_merged: dict[str, int]
     heldout_loss: float | None
     evals: list[dict[str, float]]
     bytes_up: dict[str, int]
@@ -141,6 +144,16 @@ class SynchronizerStatus:
     events: list[dict[str, Any]]
     event_seq: int
     shards: list[ShardSummary | None] = field(default_factory=list)  # combined status only
+
+    def merged_shares(self) -> dict[str, float]:
+        """Per learner: the share of the tokens it trained whose work reached the global value
+        of the status's fragments (its versions), the cursor by shard 0's ledger; 0 before it
+        trained. On a combined status, over every answered shard."""
+        out = {}
+        for name, progress in self.learners.items():
+            trained = progress.cursor * len(self.versions)
+            out[name] = self.tokens_merged.get(name, 0) / trained if trained > 0 else 0.0
+        return out
 
 
 @dataclass(frozen=True)

@@ -106,11 +106,19 @@ def _learner_table(point: Point) -> Table:
             Text(word, style=STATE_STYLES.get(state, "")),
             duration(t - ls.get("since", t)),
             f"{rate:.1f}" if rate is not None and state in ("training", "blocked") else "–",
-            str(ls.get("merged", 0)) if ls.get("merged") else "–",
+            _merged(ls),
             f"{t - last:.0f} s ago" if last is not None else "–",
             str(ls.get("restarts", 0)),
         )
     return table
+
+
+def _merged(ls: Mapping[str, Any]) -> str:
+    """Contributions merged and the share of the learner's trained tokens they carried."""
+    if not ls.get("merged"):
+        return "–"
+    share = ls.get("merged_share")
+    return f"{ls['merged']} · {share:.0%}" if share is not None else str(ls["merged"])
 
 
 def plain_boot_line(point: Point) -> str:

@@ -105,12 +105,18 @@ PANELS = [
         options={"min": 0, "max": 1},
     ),
     Panel(
-        "Goodput and uptime",
+        "Goodput, uptime and merged work",
         "Goodput: productive over allocated learner time so far. Uptime: share of the run in "
-        "which the global model advanced (a round closed).",
+        "which the global model advanced (a round closed). Merged: the share of each learner's "
+        "trained tokens whose work reached the global model (mean over synchronizer shards).",
         [
             Target(f"max by ({_by()})(ray_diloco_goodput{{{RUN}}})", "{{run}} goodput", PERCENT),
             Target(f"max by ({_by()})(ray_diloco_uptime{{{RUN}}})", "{{run}} uptime", PERCENT),
+            Target(
+                f"avg by ({_by('learner')})(ray_diloco_merged_share{{{RUN}}})",
+                "{{run}} merged {{learner}}",
+                PERCENT,
+            ),
         ],
         options={"min": 0, "max": 1},
     ),

@@ -14,10 +14,10 @@ Point keys: `t` (run clock, s), `tokens`, `budget`, `tokens_per_s`, `eta_s`, `he
 `rounds`, `contributors` (mean per round), `live`, `goodput`, `uptime`, `restarts` and
 `recovery` (median seconds per fault kind), `bytes_up`/`bytes_down` (per learner link),
 `learners` (per learner: region, state, since, incarnation, restarts, degraded, steps_per_s,
-merged, last_merge_t, `slow` (see SLOW_MARGIN), and its training curve: `step` (inner
-steps), `tokens` (its data cursor), `loss` (the training loss of its last reported step) and
-`lr` (the inner learning rate at that step)) and `dashboard_url` (the Ray dashboard, when
-there is one).
+merged (contributions), merged_share (of its trained tokens, docs/rounds.md), last_merge_t,
+`slow` (see SLOW_MARGIN), and its training curve: `step` (inner steps), `tokens` (its data
+cursor), `loss` (the training loss of its last reported step) and `lr` (the inner learning
+rate at that step)) and `dashboard_url` (the Ray dashboard, when there is one).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class ProgressTracker:
         tokens = int(st.tokens)
         rate = self._token_rate(t, tokens)
         remaining = max(0, self.budget - tokens)
+        shares = st.merged_shares()
         return {
             "t": t,
             "tokens": tokens,
@@ -91,7 +92,7 @@ class ProgressTracker:
             "bytes_up": dict(st.bytes_up),
             "bytes_down": dict(st.bytes_down),
             "learners": self._slow(
-                t, {name: self._learner(name, t, st, sup) for name in self._follow(sup)}
+                t, {name: self._learner(name, t, st, sup, shares) for name in self._follow(sup)}
             ),
             "dashboard_url": self.dashboard_url,
         }
@@ -141,7 +142,12 @@ class ProgressTracker:
         return (tokens - tokens_old) / (t - t_old) if t > t_old else 0.0
 
     def _learner(
-        self, name: str, t: float, st: SynchronizerStatus, sup: SupervisorStatus
+        self,
+        name: str,
+        t: float,
+        st: SynchronizerStatus,
+        sup: SupervisorStatus,
+        shares: Mapping[str, float],
     ) -> dict[str, Any]:
         seen = self._learners[name]
         watched = sup.learners.get(name)
@@ -169,6 +175,7 @@ class ProgressTracker:
             "degraded": sorted(watched.degraded) if watched is not None else [],
             "steps_per_s": rate,
             "merged": merged,
+            "merged_share": shares.get(name),
             "last_merge_t": seen.merged_t,
             "step": step,
             "tokens": progress.cursor if progress is not None else 0,

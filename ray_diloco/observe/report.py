@@ -113,6 +113,18 @@ def _rejected(s: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(s["rejected"].items())) or "none"
 
 
+def _lowest_share(s: Mapping[str, Any]) -> str:
+    shares = {
+        n: ls["merged_share"]
+        for n, ls in (s.get("learners") or {}).items()
+        if ls.get("merged_share") is not None
+    }
+    if len(shares) < 2:
+        return ""
+    name = min(shares, key=shares.__getitem__)
+    return f" (lowest: {name} {100 * shares[name]:.1f}%)"
+
+
 # (key, measure, the value with its unit): one row each where the key has a figure.
 SUMMARY_ROWS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("mode", "mode", lambda s: str(s["mode"])),
@@ -135,6 +147,16 @@ SUMMARY_ROWS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = 
         lambda s: f"{s['dp_bytes_per_token']:.1f} B/token",
     ),
     ("goodput", "goodput", lambda s: f"{100 * s['goodput']:.1f}%"),
+    (
+        "goodput_merged",
+        "goodput, merged work only",
+        lambda s: f"{100 * s['goodput_merged']:.1f}%",
+    ),
+    (
+        "merged_share",
+        "trained tokens merged",
+        lambda s: f"{100 * s['merged_share']:.1f}%" + _lowest_share(s),
+    ),
     ("uptime", "uptime", lambda s: f"{100 * s['uptime']:.1f}%"),
     ("tokens_per_s", "throughput (whole run)", lambda s: f"{human(s['tokens_per_s'])} tokens/s"),
     (

@@ -393,6 +393,9 @@ def _summary(
     names = [lg.name for lg in cfg.learners] + [
         n for n in watched if n not in {lg.name for lg in cfg.learners}
     ]  # and every learner that joined
+    shares = st.merged_shares()
+    trained = {n: sup.learner_seconds.get(n, {}).get("training", 0.0) for n in names}
+    busy = sum(trained.values())
     return {
         "mode": cfg.diloco.mode,
         "heldout_loss": loss,
@@ -416,6 +419,14 @@ def _summary(
         "wall_time_s": wall_s,
         "tokens_per_s": tokens / max(wall_s, 1e-9),
         "goodput": sup.goodput,
+        # Only the training time whose work reached the global model counts as productive.
+        "goodput_merged": sup.goodput
+        * (sum(trained[n] * shares.get(n, 0.0) for n in names) / busy if busy else 0.0),
+        "merged_share": (
+            sum(st.tokens_merged.values()) / (len(st.versions) * tokens)
+            if tokens and st.versions
+            else 0.0
+        ),
         "uptime": sup.uptime,
         "uptime_window_s": sup.uptime_window_s,
         "num_failures": sup.num_failures,
@@ -432,6 +443,7 @@ def _summary(
                 "tokens": st.learners[n].cursor if n in st.learners else 0,  # the ledger's
                 "final_cursor": final[n].cursor if n in final else None,  # the learner's own
                 "contributions_merged": st.contributions_merged.get(n, 0),
+                "merged_share": shares.get(n, 0.0),
                 "state": watched[n].state.value if n in watched else None,
                 "incarnation": watched[n].incarnation if n in watched else 0,
                 "restarts": watched[n].restarts if n in watched else 0,

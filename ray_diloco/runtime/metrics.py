@@ -90,6 +90,13 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
         ("learner", "region", "direction"),
         (),
     ),
+    "merged_share": (
+        "gauge",
+        "Share of a learner's trained tokens whose work reached the global model, over the "
+        "fragments of one synchronizer shard",
+        ("learner", "shard"),
+        (),
+    ),
     "heldout_loss": ("gauge", "Held-out loss of the global model", (), ()),
     "global_version": ("gauge", "Version of the fragment published last", (), ()),
     "live_learners": ("gauge", "Learners the synchronizer counts as live", (), ()),
@@ -211,6 +218,9 @@ class Metrics:
     ) -> None:
         tags = {"learner": learner, "region": region, "direction": direction}
         self._do("link_bytes", "inc", n, tags)
+
+    def merged_share(self, learner: str, shard: int, share: float) -> None:
+        self._do("merged_share", "set", share, {"learner": learner, "shard": str(shard)})
 
     def heldout_loss(self, loss: float) -> None:
         self._do("heldout_loss", "set", loss, None)

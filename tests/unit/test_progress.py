@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
@@ -120,8 +121,14 @@ def test_live_view_shows_the_budget_bar_and_a_row_per_learner():
     tracker = ProgressTracker(600_000, REGIONS)
     up = {"us-0": "training", "eu-0": "restarting"}
     tracker.point(50.0, *statuses(290_000, {"us-0": 100}, {"us-0": 3}, up))
-    p = tracker.point(52.0, *statuses(300_000, {"us-0": 110}, {"us-0": 4}, up))
+    st, sup = statuses(300_000, {"us-0": 110}, {"us-0": 4}, up)
+    # One fragment; us-0 trained 1,000 tokens, 250 of them merged.
+    trained = {"us-0": LearnerProgress(110, 1000, None, None, 1, 0.0)}
+    st = dataclasses.replace(st, versions={0: 4}, learners=trained, tokens_merged={"us-0": 250})
+    p = tracker.point(52.0, st, sup)
+    assert p["learners"]["us-0"]["merged_share"] == 0.25
     text = _text(render(p, "run local"))
+    assert "4 · 25%" in text  # contributions merged and the share of its tokens they carried
     assert "50%" in text and "300k/600k tokens" in text and "5k tok/s" in text
     assert "ETA 1:00" in text and "held-out loss 3.5000" in text and "goodput 0.500" in text
     assert "restarting" in text and "5.0" in text  # eu-0's state, us-0's steps/s

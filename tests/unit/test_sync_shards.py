@@ -15,7 +15,7 @@ from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.shards import assign_fragments
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
-from ray_diloco.control.protocol import Registered, SynchronizerStatus
+from ray_diloco.control.protocol import LearnerProgress, Registered, SynchronizerStatus
 from ray_diloco.runtime.synchronizer.shards import combine_status
 from tests.status_helpers import sync_status
 from tests.sync_helpers import TINY
@@ -141,3 +141,22 @@ def test_combined_status_adds_up_the_shards() -> None:
     # A shard that has not answered yet only leaves its counters out.
     partial = combine_status([_status(0, 4, {"a": 6}, []), None])
     assert partial.rounds == 4 and partial.shards[1] is None
+
+
+def test_merged_shares_of_the_combined_status_divide_by_every_fragment() -> None:
+    # Shard 0 (fragment 0) merged 600 of a's tokens and 100 of b's, shard 1 (fragment 1) 400
+    # of a's: every token trains every fragment, so a's share is 1000 / (2 x 1000).
+    progress = {
+        "a": LearnerProgress(10, 1000, None, None, 3, 0.0),
+        "b": LearnerProgress(4, 400, None, None, 3, 0.0),
+        "c": LearnerProgress(0, 0, None, None, 0, 0.0),
+    }
+    zero = dataclasses.replace(
+        _status(0, 4, {"a": 6}, []), learners=progress, tokens_merged={"a": 600, "b": 100}
+    )
+    one = dataclasses.replace(_status(1, 2, {"a": 3}, []), tokens_merged={"a": 400})
+    st = combine_status([zero, one])
+    assert st.tokens_merged == {"a": 1000, "b": 100}
+    assert st.merged_shares() == {"a": 0.5, "b": 100 / 800, "c": 0.0}
+    # With shard 1 silent, the share is over the fragments that answered.
+    assert combine_status([zero, None]).merged_shares()["a"] == 600 / 1000

@@ -260,6 +260,10 @@ class Synchronizer:
                 live=sorted(core.book.live(now)),
                 mean_contributors=sum(merged.values()) / rounds if rounds else 0.0,
                 contributions_merged=merged,
+                tokens_merged={
+                    n: sum(a.merged.get(p, 0) for p in core.owned)
+                    for n, a in core.ledger.accounts.items()
+                },
                 heldout_loss=self.journal.last_loss,
                 evals=list(self.journal.evals),
                 bytes_up=dict(core.bytes_up),

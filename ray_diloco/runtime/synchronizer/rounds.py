@@ -164,6 +164,8 @@ class RoundThread:
             record_rejection(self.journal, self.metrics, meta, "late")
         for c in close.contributions:
             self.merged_by[c.meta.learner] = (c.meta.incarnation, c.meta.step)
+        for learner, share in self.core.merged_shares().items():
+            self.metrics.merged_share(learner, self.shard, share)
         if self.store is not None:  # before the version leaves this process
             contributors = [c.meta.learner for c in close.contributions]
             cursors = {n: self.core.ledger.account(n).cursor for n in contributors}

@@ -53,11 +53,13 @@ def combine_status(statuses: list[SynchronizerStatus | None]) -> SynchronizerSta
     answered = [st for st in statuses if st is not None]
     rounds = sum(st.rounds for st in answered)
     merged: dict[str, int] = {}
+    tokens_merged: dict[str, int] = {}
     up: dict[str, int] = {}
     down: dict[str, int] = {}
     rejected: dict[str, int] = {}
     for st in answered:
         _add(merged, st.contributions_merged)
+        _add(tokens_merged, st.tokens_merged)
         _add(up, st.bytes_up)
         _add(down, st.bytes_down)
         _add(rejected, st.rejected)
@@ -80,6 +82,7 @@ def combine_status(statuses: list[SynchronizerStatus | None]) -> SynchronizerSta
         rounds=rounds,
         versions={p: v for st in answered for p, v in st.versions.items()},
         contributions_merged=merged,
+        tokens_merged=tokens_merged,
         bytes_up=up,
         bytes_down=down,
         rejected=rejected,
