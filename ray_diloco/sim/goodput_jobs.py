@@ -2,9 +2,9 @@
 when it runs and on how many chips (docs/algorithm.md section 10).
 
 A job is a set of slices (`Slices`): the whole cluster (data-parallel, elastic data-parallel)
-or one learner's group. Three reactions, each from `goodput_trace.stalls` (one cost per failure that
-hits a running job; failures during a stall are repaired in parallel and join the same
-recovery):
+or one learner's group. Three reactions, each from `goodput_trace.stalls` (a failure stops a
+running job for the cost of its recovery; one during a stall holds it until that slice too is
+back and recovered), each losing the work since its last step boundary or checkpoint:
 
 - `waiting`: the job stops until the failed slice is back, then pays `cost_s` (a
   data-parallel restart, or a learner's re-mesh around its hot spare) and goes on with all

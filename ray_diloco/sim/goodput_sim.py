@@ -2,8 +2,9 @@
 (docs/algorithm.md sections 9 and 10; the model, term by term, in docs/goodput.md).
 
 Systems react to the same failure trace (`goodput_trace.make_trace`); each is a job, or a set
-of jobs, of `goodput_jobs` (one cost per failure that hits a running job; failures during a
-stall are repaired in parallel). Every failure first costs `detect_s`.
+of jobs, of `goodput_jobs` (a failure stops a running job for the cost of its recovery; one
+during a stall holds it until that slice too is back and recovered; every job loses its step
+in flight). Every failure first costs `detect_s`.
 
 - `data_parallel`: one SPMD job over every slice. It stops at a failure, waits for the slice
   (the hot-spare swap), restarts (`restart_cost_s`), reloads its state (`state_gb_per_chip`
