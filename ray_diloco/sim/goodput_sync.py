@@ -10,13 +10,16 @@ what of that work reaches the global model:
 - Cadence: a fragment's round every `window_s` = H * step time, or longer when the learner's
   link cannot carry P fragments each way in that time (a bandwidth-limited synchronizer).
 - Contributions: `pull` asks every running learner for the fragment on the synchronizer's own
-  clock (one grid for all); `offer` has each learner offer it every H of its own steps, on its
-  own running clock, so pauses and step-time spread put learners out of phase.
+  clock (one grid for all), and rounds follow that schedule: a learner pausing at a pull
+  answers when it resumes, and that late answer joins its round if it is still open, else the
+  round of the next pull (it opens none of its own); `offer` has each learner offer it every
+  H of its own steps, on its own running clock, so pauses and step-time spread put learners
+  out of phase, and an offer opens a round.
 - A contribution carries the learner's counters since it last adopted the fragment: what it
   trained on top of that version. It arrives one upload later; the book fences it
   (incarnation, staleness) and pends it; rounds close at quorum and grace; a commit comes
   `merge_s` after the close and reaches each learner one download later.
-- Adopting a version overwrites the learner's fragment and restarts its counters
+- Adopting a version replaces the learner's fragment and restarts its counters
   (docs/algorithm.md section 4): the steps it took between its contribution and the adoption never
   reach the global model (`diloco.keep_unsent_work` carries them to the next offer instead;
   `mixing_alpha` keeps a share of the values, not of the counters, so it changes nothing here).
