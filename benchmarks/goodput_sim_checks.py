@@ -1,7 +1,8 @@
 """The goodput simulator's 1.2M-chip column under the checks docs/goodput.md quotes: other
 seeds (at the default restart cost, and each calibrated on its own trace), a longer run,
-other slice sizes, the previous calibration, and the quorum and grace-window settings whose
-effect the page explains. One row per setting: every system's goodput on one trace.
+other slice sizes, the previous calibration, a learner that applies a new version's change
+instead of replacing its fragment, and the quorum and grace-window settings whose effect the
+page explains. One row per setting: every system's goodput on one trace.
 
     python benchmarks/goodput_sim_checks.py --out benchmarks/results   # ~35 s CPU
 """
@@ -32,6 +33,13 @@ CHECKS: list[Check] = [
     ("slice size", "1,024 chips", {"chips_per_slice": 1024}, {}, False),
     ("restart", "46 s (the previous model's calibration)", {"restart_cost_s": 46.0}, {}, False),
     ("quorum", "K = M", {"quorum_min": 0}, {}, False),  # 0: each column's M
+    (
+        "adoption",
+        "keep_unsent_work: the learner applies the change",
+        {},
+        {"keep_unsent_work": True},
+        False,
+    ),
     ("grace", "none (grace_fraction 0)", {}, {"grace_fraction": 0.0}, False),
     ("grace", "grace_fraction 0.9", {}, {"grace_fraction": 0.9}, False),
     (

@@ -376,11 +376,14 @@ class FragmentSim:
             if self.restarts and t_a > ends[i][j]:
                 self.lost_in_flight += 1  # the learner died with it on the wire
                 continue
-            meta = self._meta(i, j, t_c)
             held = self.held_late.pop(i, None)
             if held is not None:
-                self._deliver(t_a, *held, poll=meta is None)  # with the learner's next answer
+                # With the learner's next answer, and before it is taken: it was sent first.
+                self._deliver(t_a, *held, poll=False)
+            meta = self._meta(i, j, t_c)
             if meta is None:
+                if held is not None:
+                    self._poll(t_a)
                 continue
             frag = book.fragments[0]
             if t_next < math.inf and (frag.merging or not (frag.pending or frag.kept)):

@@ -266,6 +266,25 @@ def test_grace_window_gathers_a_pull_and_delays_its_commit(failing):
     assert runs[0].rounds > 1.8 * runs[1].rounds
 
 
+def test_merged_work_never_exceeds_trained_work(failing):
+    # Whatever a learner carries between contributions (its unsent steps, a late answer held
+    # for the next pull), the book merges each trained step at most once: merged <= trained.
+    # Carrying the unsent steps (`keep_unsent_work`) merges more than replacing them.
+    cfg, trace = failing
+    offer = cfg.model_copy(update={"sync_schedule": "offer"})
+    runs = {
+        name: DecoupledSim(c, trace, DilocoConfig(keep_unsent_work=keep)).run()
+        for name, c, keep in (
+            ("pull", cfg, False),
+            ("pull, keep", cfg, True),
+            ("offer, keep", offer, True),
+        )
+    }
+    for name, r in runs.items():
+        assert r.trained is not None and 0 < r.goodput <= r.trained, (name, r.goodput, r.trained)
+    assert runs["pull, keep"].goodput > runs["pull"].goodput + 0.02
+
+
 def test_same_seed_same_result_and_seed_matters():
     cfg = GoodputSimConfig(
         chips=16 * 256,
