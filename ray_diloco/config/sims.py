@@ -54,12 +54,12 @@ class GoodputSimConfig(_Frozen):
         "failure, before any other cost",
     )
     restart_cost_s: float = Field(
-        46.0,
+        15.0,
         ge=0,
         description="restarting a job's processes once its slices are back: process start, "
         "runtime and distributed init, and the compile from the persistent compilation cache. "
         "The one calibrated term: goodput_sweep.calibrate sets it so data-parallel gives the "
-        "published 27% at 1.2M chips",
+        "published 27% at 1.2M chips (short for a restart of that size: see docs/goodput.md)",
     )
     state_gb_per_chip: float = Field(
         16.0,

@@ -2,9 +2,9 @@
 when it runs and on how many chips (docs/algorithm.md section 10).
 
 A job is a set of slices (`Slices`): the whole cluster (data-parallel, elastic data-parallel)
-or one learner's group. Three reactions, each from `goodput_trace.stalls` (one cost per failure that
-hits a running job; failures during a stall are repaired in parallel and join the same
-recovery):
+or one learner's group. Three reactions, each from `goodput_trace.stalls` (a failure stops a
+running job for the cost of its recovery; one during a stall holds it until that slice too is
+back and recovered), each losing the work since its last step boundary or checkpoint:
 
 - `waiting`: the job stops until the failed slice is back, then pays `cost_s` (a
   data-parallel restart, or a learner's re-mesh around its hot spare) and goes on with all
@@ -91,16 +91,29 @@ def groups(trace: FailureTrace, bounds: list[int]) -> list[Slices]:
     return out
 
 
-def waiting(job: Slices, cost_s: float) -> Activity:
-    """A job that waits for every failed slice, then pays `cost_s`."""
+def _recompute(a: np.ndarray, b: np.ndarray, dur: float, every_s: float) -> np.ndarray:
+    """The ends of running intervals [a, b) less the work a failure loses: what was computed
+    since the last step boundary (or checkpoint) every `every_s` of the interval. The run's
+    last interval ends with the run, not with a failure, and keeps all of it."""
+    if every_s <= 0:
+        return b
+    failed = b < dur
+    return np.where(failed, b - np.mod(b - a, every_s), b)
+
+
+def waiting(job: Slices, cost_s: float, every_s: float = 0.0) -> Activity:
+    """A job that waits for every failed slice, then pays `cost_s`; a failure loses the
+    work since its last step boundary or checkpoint (every `every_s` of running time)."""
     dur, total = job.duration_s, job.total_chips
     s, e = stalls(job.fail_s, job.return_s, cost_s, dur)
     a, b = complement(s, e, dur)
+    b = _recompute(a, b, dur, every_s)
     return Activity(dur, total, a, b, np.full(len(a), float(total)), len(s))
 
 
-def shrinking(job: Slices, pause_s: float) -> Activity:
-    """A job that re-meshes onto its healthy slices at every failure."""
+def shrinking(job: Slices, pause_s: float, step_s: float = 0.0) -> Activity:
+    """A job that re-meshes onto its healthy slices at every failure, losing its step in
+    flight (`step_s` long): an all-reduce that a failed slice was part of does not finish."""
     dur, total, fail = job.duration_s, job.total_chips, job.fail_s
     s, e = stalls(fail, fail, pause_s, dur)
     a, b = complement(s, e, dur)
@@ -114,4 +127,5 @@ def shrinking(job: Slices, pause_s: float) -> Activity:
     order = np.argsort(rejoin, kind="stable")
     back_sorted = rejoin[order]
     rejoined = np.r_[0.0, np.cumsum(out_chips[order])][np.searchsorted(back_sorted, a, "right")]
+    b = _recompute(a, b, dur, step_s)
     return Activity(dur, total, a, b, total - (failed - rejoined), len(s))

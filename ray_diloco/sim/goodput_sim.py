@@ -2,8 +2,9 @@
 (docs/algorithm.md sections 9 and 10; the model, term by term, in docs/goodput.md).
 
 Systems react to the same failure trace (`goodput_trace.make_trace`); each is a job, or a set
-of jobs, of `goodput_jobs` (one cost per failure that hits a running job; failures during a
-stall are repaired in parallel). Every failure first costs `detect_s`.
+of jobs, of `goodput_jobs` (a failure stops a running job for the cost of its recovery; one
+during a stall holds it until that slice too is back and recovered; every job loses its step
+in flight). Every failure first costs `detect_s`.
 
 - `data_parallel`: one SPMD job over every slice. It stops at a failure, waits for the slice
   (the hot-spare swap), restarts (`restart_cost_s`), reloads its state (`state_gb_per_chip`
@@ -81,21 +82,15 @@ def reload_s(cfg: GoodputSimConfig) -> float:
 
 
 def data_parallel(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemResult:
-    dur = trace.duration_s
-    job = waiting(cluster(trace), cfg.detect_s + cfg.restart_cost_s + reload_s(cfg))
-    a, b = job.starts, job.ends
-    lost = np.zeros_like(a)
-    failed = b < dur  # the interval ended in a failure, not at the end of the run
     # Recomputation: the work since the last checkpoint (every step: the step in flight).
     every = cfg.checkpoint_interval_s if cfg.checkpoint_interval_s > 0 else cfg.step_time_s
-    lost[failed] = np.mod(b[failed] - a[failed], every)
-    kept_end = b - lost
+    job = waiting(cluster(trace), cfg.detect_s + cfg.restart_cost_s + reload_s(cfg), every)
     return SystemResult(
         system="data_parallel",
         chips=job.total_chips,
         learners=1,
-        goodput=float((kept_end - a).sum() / dur),
-        uptime=window_uptime(a, kept_end, dur, cfg.uptime_window_s),
+        goodput=job.goodput(),
+        uptime=_uptime(cfg, job),
         failures=trace.num_failures,
         restarts=job.num_stalls,
     )
@@ -106,7 +101,7 @@ def _uptime(cfg: GoodputSimConfig, job: Activity) -> float:
 
 
 def elastic_dp(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemResult:
-    job = shrinking(cluster(trace), cfg.detect_s + cfg.reconfig_pause_s)
+    job = shrinking(cluster(trace), cfg.detect_s + cfg.reconfig_pause_s, cfg.step_time_s)
     return SystemResult(
         "elastic_dp",
         job.total_chips,
@@ -133,7 +128,8 @@ def elastic_per_learner(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemRes
     """M independent elastic jobs, one on each learner's slices: elastic data-parallel on
     N/M chips, averaged over M draws of the same trace (the comparison of section 10)."""
     slices = groups(trace, learner_bounds(trace, cfg.num_learners))
-    jobs = [shrinking(g, cfg.detect_s + cfg.reconfig_pause_s) for g in slices]
+    pause = cfg.detect_s + cfg.reconfig_pause_s
+    jobs = [shrinking(g, pause, cfg.step_time_s) for g in slices]
     return SystemResult(
         "elastic_dp_per_learner",
         int(trace.slice_chips.sum()),
@@ -148,11 +144,12 @@ def elastic_per_learner(cfg: GoodputSimConfig, trace: FailureTrace) -> SystemRes
 def learner_activity(cfg: GoodputSimConfig, job: Slices, fetch_s: float = 0.0) -> Activity:
     """One learner on its slices, reacting to failures as `cfg.learner_mode` says; a
     restarted learner also fetches every fragment (`fetch_s`) before its first step."""
+    step = cfg.step_time_s  # every mode loses the step in flight
     if cfg.learner_mode == "shrink":
-        return shrinking(job, cfg.detect_s + cfg.reconfig_pause_s)
+        return shrinking(job, cfg.detect_s + cfg.reconfig_pause_s, step)
     if cfg.learner_mode == "spare":
-        return waiting(job, cfg.detect_s + cfg.reconfig_pause_s)
-    return waiting(job, cfg.detect_s + cfg.restart_cost_s + fetch_s)
+        return waiting(job, cfg.detect_s + cfg.reconfig_pause_s, step)
+    return waiting(job, cfg.detect_s + cfg.restart_cost_s + fetch_s, step)
 
 
 class InfeasibleError(ValueError):
@@ -171,7 +168,7 @@ def check_feasible(cfg: GoodputSimConfig, diloco: DilocoConfig | None = None) ->
     time between failures means most incarnations die before their first contribution, and
     their counters die with them. Learners that shrink or wait for a spare keep their state
     through every pause, so their work reaches a round whatever the failure rate (goodput
-    then falls like 1 / (1 + lambda d), never to a silent 0)."""
+    then falls like exp(-lambda d), never to a silent 0)."""
     diloco = diloco or DilocoConfig()
     mtbf = learner_mtbf_s(cfg)
     window = cadence(cfg, diloco).window_s

@@ -10,13 +10,16 @@ what of that work reaches the global model:
 - Cadence: a fragment's round every `window_s` = H * step time, or longer when the learner's
   link cannot carry P fragments each way in that time (a bandwidth-limited synchronizer).
 - Contributions: `pull` asks every running learner for the fragment on the synchronizer's own
-  clock (one grid for all); `offer` has each learner offer it every H of its own steps, on its
-  own running clock, so pauses and step-time spread put learners out of phase.
+  clock (one grid for all), and rounds follow that schedule: a learner pausing at a pull
+  answers when it resumes, and that late answer joins its round if it is still open, else the
+  round of the next pull (it opens none of its own); `offer` has each learner offer it every
+  H of its own steps, on its own running clock, so pauses and step-time spread put learners
+  out of phase, and an offer opens a round.
 - A contribution carries the learner's counters since it last adopted the fragment: what it
   trained on top of that version. It arrives one upload later; the book fences it
   (incarnation, staleness) and pends it; rounds close at quorum and grace; a commit comes
   `merge_s` after the close and reaches each learner one download later.
-- Adopting a version overwrites the learner's fragment and restarts its counters
+- Adopting a version replaces the learner's fragment and restarts its counters
   (docs/algorithm.md section 4): the steps it took between its contribution and the adoption never
   reach the global model (`diloco.keep_unsent_work` carries them to the next offer instead;
   `mixing_alpha` keeps a share of the values, not of the counters, so it changes nothing here).
@@ -60,7 +63,9 @@ from ray_diloco.config import (
 from ray_diloco.sim.goodput_jobs import Activity
 from ray_diloco.sim.goodput_trace import SECONDS_PER_DAY, num_windows
 
-_COMMIT, _POLL, _SHARD = 0, 1, 2  # events the book's decisions and the shard add
+# Events the book's decisions, the shard and late answers add; kinds above _LATE register
+# learner kind - _LATE - 1.
+_COMMIT, _POLL, _SHARD, _LATE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -120,19 +125,27 @@ class Contributions:
     made_s: np.ndarray  # when the learner took it (a step boundary)
     learner: np.ndarray
     interval: np.ndarray  # the learner's running interval it was taken in
+    # `pull`, an answer taken after its pull (the learner was pausing): when the next pull
+    # comes, and whether the learner answers that one on time; inf (and False) for an answer
+    # taken on time and for every offer.
+    next_pull_s: np.ndarray
+    answers_next: np.ndarray
 
 
 def _grid_times(
     job: Activity, window_s: float, phase_s: float, restarts: bool
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, ...]:
     """The synchronizer's pulls k W + phase, answered at the learner's next step boundary: at
-    once when it runs, when it resumes if it is pausing (late for its round, so it pends for
-    the next), never by a learner that died (its next incarnation answers the next pull)."""
+    once when it runs, when it resumes if it is pausing (late for its round), never by a
+    learner that died (its next incarnation answers the next pull). Returns when each answer
+    was taken, in which running interval, and for a late one when the next pull comes (inf
+    for an answer on time) and whether the learner is running then."""
     t = np.arange(phase_s, job.duration_s, window_s)
     j = np.searchsorted(job.starts, t, side="right") - 1
     running = (j >= 0) & (t < job.ends[np.maximum(j, 0)])
     if restarts:
-        return t[running], j[running]
+        n = int(running.sum())
+        return t[running], j[running], np.full(n, np.inf), np.zeros(n, bool)
     nxt = j + 1  # the interval it resumes in
     ok = ~running & (nxt < len(job.starts))
     resume = np.where(ok, job.starts[np.minimum(nxt, len(job.starts) - 1)], np.inf)
@@ -140,8 +153,10 @@ def _grid_times(
     late = ok & (resume < t + window_s)
     made = np.where(running, t, resume)
     which = np.where(running, j, nxt)
+    following = np.where(running, np.inf, t + window_s)
+    on_time_next = np.r_[running[1:], False] & ~running
     keep = running | late
-    return made[keep], which[keep]
+    return made[keep], which[keep], following[keep], on_time_next[keep]
 
 
 def _own_times(job: Activity, window_s: float, phase_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -161,17 +176,20 @@ def contributions(
         if len(job.starts) == 0:
             continue
         if cfg.sync_schedule == "pull":
-            made, j = _grid_times(job, cad.window_s, cad.window_s, cfg.learner_mode == "restart")
+            restarts = cfg.learner_mode == "restart"
+            made, j, following, on_time = _grid_times(job, cad.window_s, cad.window_s, restarts)
         else:
             # Each learner's step time is its own (fixed spread), so its window is too.
             rng = np.random.default_rng([cfg.seed, 1, i])
             s = math.sqrt(math.log1p(cfg.straggler_cv**2))
             factor = float(rng.lognormal(-s * s / 2, s)) if cfg.straggler_cv else 1.0
             made, j = _own_times(job, cad.window_s * factor, cad.window_s * factor)
-        parts.append((made + up_s, made, np.full(len(made), i), j))
+            following, on_time = np.full(len(made), np.inf), np.zeros(len(made), bool)
+        parts.append((made + up_s, made, np.full(len(made), i), j, following, on_time))
     if not parts:
         empty = np.zeros(0)
-        return Contributions(empty, empty, empty.astype(np.int64), empty.astype(np.int64))
+        ints = empty.astype(np.int64)
+        return Contributions(empty, empty, ints, ints, empty, empty.astype(bool))
     cols = [np.concatenate(c) for c in zip(*parts, strict=True)]
     cols = [c[cols[0] < jobs[0].duration_s] for c in cols]  # what arrives within the run
     order = np.argsort(cols[0], kind="stable")
@@ -244,6 +262,9 @@ class FragmentSim:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._polls: set[float] = set()
+        # learner -> a late answer held for the round of the next pull, delivered just before
+        # the learner's answer to that pull
+        self.held_late: dict[int, tuple[ContributionMeta, int, float]] = {}
 
     # -- events ---------------------------------------------------------------------------
 
@@ -252,8 +273,11 @@ class FragmentSim:
 
     def _pop(self) -> None:
         t, _, kind, data = heapq.heappop(self._heap)
-        if kind > _SHARD:
-            self._register(t, kind - _SHARD - 1, data)
+        if kind > _LATE:
+            self._register(t, kind - _LATE - 1, data)
+            return
+        if kind == _LATE:
+            self._deliver(t, *data)
             return
         if kind == _POLL:
             self._polls.discard(t)
@@ -324,7 +348,7 @@ class FragmentSim:
     # -- the replay -----------------------------------------------------------------------
 
     def run(self) -> SyncOutcome:
-        cfg, book, names = self.cfg, self.book, self.names
+        cfg, book = self.cfg, self.book
         step = cfg.step_time_s
         contrib = contributions(cfg, self.jobs, self.cad, self.cad.up_s)
         # Registrations: every incarnation's start (restart mode), else each learner once.
@@ -334,55 +358,46 @@ class FragmentSim:
             regs += [(t, i, k) for k, t in enumerate(starts)]
         regs.sort()
         for t, i, k in regs:
-            self._push(t, _SHARD + 1 + i, k)  # kinds above _SHARD: registrations
+            self._push(t, _LATE + 1 + i, k)
         self._shard_outages()
-        ends = [job.ends.tolist() for job in self.jobs]
-        starts = [job.starts.tolist() for job in self.jobs]
+        ends = [c.ends for c in self.clocks]
         heap = self._heap
-        for t_a, t_c, i, j in zip(
+        for t_a, t_c, i, j, t_next, on_time in zip(
             contrib.arrive_s.tolist(),
             contrib.made_s.tolist(),
             contrib.learner.tolist(),
             contrib.interval.tolist(),
+            contrib.next_pull_s.tolist(),
+            contrib.answers_next.tolist(),
             strict=True,
         ):
             while heap and heap[0][0] <= t_a:
                 self._pop()
-            inc = j if self.restarts else 0
             if self.restarts and t_a > ends[i][j]:
                 self.lost_in_flight += 1  # the learner died with it on the wire
                 continue
-            # What the learner had applied before it took the contribution. A version that
-            # arrived while it paused is applied at its next step boundary, after the
-            # contribution it owes there (the order of docs/algorithm.md section 4).
-            bound = t_c if t_c > starts[i][j] or j == 0 else ends[i][j - 1]
-            since, base = self._adopted(i, bound)
-            made = self.last_made[i]
-            if self.diloco.apply_at == "overlap" and made is not None and since > made:
-                # Applied no earlier than tau steps after the learner's own last offer.
-                since = min(max(since, made + self.diloco.overlap_steps * step), t_c)
-            run_c, work_c = self.clocks[i].at(t_c)
-            run_s, work_s = self.clocks[i].at(max(since, starts[i][j]) if self.restarts else since)
-            last = self.last_offer[i]
-            if self.diloco.keep_unsent_work and last is not None and run_s > last[0]:
-                run_s, work_s = last  # the unsent steps were carried onto the new version
-            steps = int((run_c - run_s) / step)
-            if steps < 1:
+            held = self.held_late.pop(i, None)
+            if held is not None:
+                # With the learner's next answer, and before it is taken: it was sent first.
+                self._deliver(t_a, *held, poll=False)
+            meta = self._meta(i, j, t_c)
+            if meta is None:
+                if held is not None:
+                    self._poll(t_a)
                 continue
-            name = names[i]
-            book.heartbeat(name, inc, t_a, step)
-            meta = ContributionMeta(
-                name, inc, 0, base, int(run_c / step), steps, max(1, round(work_c - work_s))
-            )
-            verdict = book.offer(meta, t_a, payload=i)
-            self.verdicts[verdict] += 1
-            if verdict is Verdict.ACCEPTED:
-                self.last_offer[i] = (run_c, work_c)
-                self.last_made[i] = t_c
-            elif verdict is Verdict.STALE_VERSION:
-                # A refused learner takes the newest version at once (section 7).
-                self._adopt(i, t_a + self.cad.down_s, book.fragments[0].version)
-            self._poll(t_a)
+            frag = book.fragments[0]
+            if t_next < math.inf and (frag.merging or not (frag.pending or frag.kept)):
+                # A late answer whose round has closed: the synchronizer holds it for the
+                # next round of its own schedule (late_policy next_round), which the next
+                # pull opens; it opens no round of its own. It joins that round with the
+                # learner's answer to the pull, or alone if the learner pauses again.
+                book.heartbeat(meta.learner, meta.incarnation, t_a, step)
+                if on_time:
+                    self.held_late[i] = (meta, i, t_c)
+                else:
+                    self._push(t_next + self.cad.up_s, _LATE, (meta, i, t_c))
+                continue
+            self._deliver(t_a, meta, i, t_c)
         dur = self.jobs[0].duration_s
         while heap and heap[0][0] < dur:
             self._pop()
@@ -399,6 +414,51 @@ class FragmentSim:
                 "link_bound": self.cad.link_bound,
             },
         )
+
+    def _meta(self, i: int, j: int, t_c: float) -> ContributionMeta | None:
+        """Learner i's contribution taken at `t_c` in its running interval j: its counters
+        since it last adopted the fragment (None when they hold no whole step)."""
+        step = self.cfg.step_time_s
+        starts = self.clocks[i].starts
+        # What the learner had applied before it took the contribution. A version that
+        # arrived while it paused is applied at its next step boundary, after the
+        # contribution it owes there (the order of docs/algorithm.md section 4).
+        bound = t_c if t_c > starts[j] or j == 0 else self.clocks[i].ends[j - 1]
+        since, base = self._adopted(i, bound)
+        made = self.last_made[i]
+        if self.diloco.apply_at == "overlap" and made is not None and since > made:
+            # Applied no earlier than tau steps after the learner's own last offer.
+            since = min(max(since, made + self.diloco.overlap_steps * step), t_c)
+        run_c, work_c = self.clocks[i].at(t_c)
+        run_s, work_s = self.clocks[i].at(max(since, starts[j]) if self.restarts else since)
+        last = self.last_offer[i]
+        if self.diloco.keep_unsent_work and last is not None and run_s > last[0]:
+            run_s, work_s = last  # the unsent steps were carried onto the new version
+        steps = int((run_c - run_s) / step)
+        if steps < 1:
+            return None
+        inc = j if self.restarts else 0
+        return ContributionMeta(
+            self.names[i], inc, 0, base, int(run_c / step), steps, max(1, round(work_c - work_s))
+        )
+
+    def _deliver(
+        self, t_a: float, meta: ContributionMeta, i: int, t_c: float, poll: bool = True
+    ) -> None:
+        """The book fences and pends learner i's contribution arriving at `t_a` (and closes
+        the rounds now due, unless another contribution arrives with it: `poll` False)."""
+        book = self.book
+        book.heartbeat(meta.learner, meta.incarnation, t_a, self.cfg.step_time_s)
+        verdict = book.offer(meta, t_a, payload=i)
+        self.verdicts[verdict] += 1
+        if verdict is Verdict.ACCEPTED:
+            self.last_offer[i] = self.clocks[i].at(t_c)
+            self.last_made[i] = t_c
+        elif verdict is Verdict.STALE_VERSION:
+            # A refused learner takes the newest version at once (section 7).
+            self._adopt(i, t_a + self.cad.down_s, book.fragments[0].version)
+        if poll:
+            self._poll(t_a)
 
     def _register(self, t: float, i: int, incarnation: int) -> None:
         versions = self.book.register(self.names[i], incarnation, t)

@@ -143,14 +143,19 @@ def stalls(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Intervals [start, end) in which a job that needs these slices is stopped.
 
-    A failure while the job runs stops it until the failed slice is back, plus `cost_s` once
-    (a restart or a re-mesh). A failure while it is already stopped adds no cost of its own:
-    its slice is swapped in parallel with the stall under way and joins the same restart, so
-    the stall only lasts longer if that slice comes back after the stall would have ended.
-    This is why goodput falls like 1 / (1 + lambda d) with d the cost of one failure, not like
-    exp(-lambda d) as it would if every failure restarted the recovery. `fail_s` must be
-    sorted; pass `return_s = fail_s` for a job that does not wait for the slice (a re-mesh onto
-    the healthy ones). Ends are clipped to `duration_s`.
+    A failure while the job runs stops it until the failed slice is back, plus `cost_s` (a
+    restart or a re-mesh: detection included). A failure while it is already stopped is
+    repaired in parallel, and what it costs is the recovery of its own slice: the stall
+    lasts at least until that slice is back and has paid `cost_s`. The recovery under way
+    cannot take the slice in before then: a restart needs every slice, the new one with its
+    processes started, its program compiled and its state reloaded (however much of that
+    runs in parallel with the other slices'), and a re-mesh onto the healthy slices that
+    began before this one failed includes it and must be redone once the failure is
+    detected. So a stall ends `cost_s` after its last slice is back: goodput falls like
+    exp(-lambda d) with d the cost of one failure (for swaps quick against d), not like
+    1 / (1 + lambda d), which would hold if a failure during a stall cost nothing. `fail_s`
+    must be sorted; pass `return_s = fail_s` for a job that does not wait for the slice (a
+    re-mesh onto the healthy ones). Ends are clipped to `duration_s`.
     """
     starts: list[float] = []
     ends: list[float] = []
@@ -162,8 +167,8 @@ def stalls(
             end = r + cost_s
             starts.append(f)
             ends.append(end)
-        elif r > end:
-            end = r
+        elif r + cost_s > end:
+            end = r + cost_s
             ends[-1] = end
     return np.asarray(starts, dtype=float), np.minimum(np.asarray(ends, dtype=float), duration_s)
 
