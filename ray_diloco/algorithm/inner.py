@@ -15,6 +15,7 @@ shardings, donating the parameters and optimizer state (algorithm/sharding.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -97,8 +98,11 @@ def init_opt_state(tx: optax.GradientTransformation, layout: TreeLayout, flat: F
     return tx.init(layout.unflatten(flat))
 
 
+@functools.lru_cache(maxsize=16)
 def make_eval_fn(task: Task, layout: TreeLayout) -> EvalFn:
-    """The jitted evaluation loss `(flat params, batch) -> loss` (the task's training loss)."""
+    """The jitted evaluation loss `(flat params, batch) -> loss` (the task's training loss).
+    One per task and layout in a process (both compared by identity): every in-process run of
+    the same task evaluates with the program the first one traced."""
 
     def eval_loss(flat: Flat, batch: Batch) -> jax.Array:
         return task.loss(layout.unflatten(flat), batch)[0]

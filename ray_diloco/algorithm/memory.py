@@ -10,6 +10,7 @@ without JAX): the command computes the figures here and hands the plan the numbe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -89,14 +90,7 @@ def learner_memory(cfg: RunConfig, task: Task | None = None) -> dict[str, ChipMe
     task = task or task_of(cfg)
     tree = layout_of(cfg, task)
     tx = inner.inner_optimizer(task, cfg.inner, total_inner_steps(cfg, task))
-    per_example: int | None = None
-    unread = ""
-    try:
-        example = one_example(task)
-    except Exception as err:  # a plan runs where the data may not be (a corpus on the pods)
-        unread = " ".join(f"{type(err).__name__}: {err}".split())  # one line of the plan
-    else:
-        per_example = example_activation_bytes(task, tree, example)
+    per_example, unread = _per_example(task, tree)
     out = {}
     for lg in cfg.learners:
         sizes = lg.mesh_sizes
@@ -107,3 +101,16 @@ def learner_memory(cfg: RunConfig, task: Task | None = None) -> dict[str, ChipMe
             held["params"], held["grads"], held["opt_state"], activations, examples, unread
         )
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _per_example(task: Task, tree: TreeLayout) -> tuple[int | None, str]:
+    """`example_activation_bytes` of one example of the task's data, and "" (or None and why
+    the data could not be read). Cached per task and layout (both compared by identity): the
+    trace of a large model's loss is most of a plan's time, and one process may plan the same
+    task on several meshes."""
+    try:
+        example = one_example(task)
+    except Exception as err:  # a plan runs where the data may not be (a corpus on the pods)
+        return None, " ".join(f"{type(err).__name__}: {err}".split())  # one line of the plan
+    return example_activation_bytes(task, tree, example), ""

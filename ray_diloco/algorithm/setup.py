@@ -23,12 +23,13 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec
 
 from ray_diloco.algorithm import inner, sharding
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.pytree import TreeLayout
-from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
+from ray_diloco.config import ConfigError, InnerOptimizerConfig, LearnerGroupConfig, RunConfig
 from ray_diloco.task import Batch, Task, load_task
 
 
@@ -64,24 +65,34 @@ def init_params(cfg: RunConfig, task: Task) -> Any:
 def abstract_params(cfg: RunConfig, task: Task) -> Any:
     """`task.init`'s output by abstract evaluation (shapes, dtypes and Flax metadata): no
     parameter is computed. ConfigError when init fails."""
+    return _abstract_params(task, cfg.task, cfg.seed)
+
+
+# Cached per Task object (compared by identity; `load_task` gives the same one for the same
+# factory and arguments) and seed: one TreeLayout object per task means one compiled step and
+# evaluation per process (`learner_core._compiled_step`, `_layout`, `inner.make_eval_fn` key
+# on it), where a new layout per run traced and lowered them again for every in-process run.
+@functools.lru_cache(maxsize=16)
+def _abstract_params(task: Task, spec: str, seed: int) -> Any:
     try:
         with annotations_only():
-            return jax.eval_shape(task.init, init_key(cfg))
+            return jax.eval_shape(task.init, jax.random.key(seed))
     except Exception as err:
-        raise ConfigError(
-            f"task: {cfg.task} init(rng) failed: {type(err).__name__}: {err}"
-        ) from None
+        raise ConfigError(f"task: {spec} init(rng) failed: {type(err).__name__}: {err}") from None
 
 
 def layout_of(cfg: RunConfig, task: Task | None = None) -> TreeLayout:
     """The parameters' structure by abstract evaluation of `task.init` (a host that receives
     its parameters needs only the layout)."""
-    task = task or task_of(cfg)
-    abstract = abstract_params(cfg, task)
+    return _tree_layout(task or task_of(cfg), cfg.task, cfg.seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _tree_layout(task: Task, spec: str, seed: int) -> TreeLayout:
     try:
-        return TreeLayout.of(abstract)
+        return TreeLayout.of(_abstract_params(task, spec, seed))
     except ValueError as err:
-        raise ConfigError(f"task: {cfg.task}: {err}") from None
+        raise ConfigError(f"task: {spec}: {err}") from None
 
 
 def fragment_plan(cfg: RunConfig, task: Task | None = None) -> FragmentPlan:
@@ -250,8 +261,7 @@ def check_task(cfg: RunConfig) -> dict[str, Any]:
             f"task: {cfg.task}: data.batches() yielded num_tokens={num_tokens!r}; it must be a "
             "positive int (the tokens in the batch)"
         )
-    tx = inner.inner_optimizer(setup.task, cfg.inner, total_inner_steps(cfg, setup.task))
-    step = inner.make_train_step(setup.task, setup.layout, tx)
+    tx, step = _first_step(setup.task, setup.layout, cfg.inner, total_inner_steps(cfg, setup.task))
     params = {k: jax.numpy.asarray(v, setup.layout.dtypes[k]) for k, v in setup.init.items()}
     try:
         loss = float(step(params, inner.init_opt_state(tx, setup.layout, params), batch)[2])
@@ -275,6 +285,16 @@ def check_task(cfg: RunConfig) -> dict[str, Any]:
         "first_loss": loss,
         "tokens_per_batch": int(num_tokens),
     }
+
+
+@functools.lru_cache(maxsize=8)
+def _first_step(
+    task: Task, layout: TreeLayout, inner_cfg: InnerOptimizerConfig, total_steps: int
+) -> tuple[optax.GradientTransformation, inner.TrainStep]:
+    # One per task, layout and schedule in a process: the driver checks the task before every
+    # run, and a test process drives many runs of the same task.
+    tx = inner.inner_optimizer(task, inner_cfg, total_steps)
+    return tx, inner.make_train_step(task, layout, tx)
 
 
 HELDOUT_SHAPE = "data.heldout() must give a list of batches (`[batch]` for one), not a batch"
