@@ -47,6 +47,16 @@ def _compiled_step(
     return tx, layout.jit_step(inner.train_step_fn(task, layout.tree, tx), tx)
 
 
+def compile_ahead(
+    cfg: RunConfig, learner: LearnerGroupConfig, task: Task, layout: ShardedLayout
+) -> None:
+    """Compile the inner step a `LearnerCore` of `learner` on `layout` will run, from shapes
+    (its first batch's, read from part 0), before the learner has any parameter value."""
+    tx, step = _compiled_step(task, layout, cfg.inner, total_inner_steps(cfg, task))
+    batch, _ = next(task.data.batches(0, cfg.data_parts, 0, learner.batch_size))
+    layout.compile_ahead(step, tx, batch)
+
+
 @dataclass
 class PendingOffer:
     """A contribution on its way off the devices: its leaves' copies to this host started at

@@ -357,6 +357,32 @@ class ShardedLayout:
         )
 
 
+    def compile_ahead(self, step: Any, tx: optax.GradientTransformation, batch: Any) -> None:
+        """Compile `jit_step`'s `step` and the fresh optimizer state's init from shapes alone,
+        before any value exists (a learner host does it while the synchronizer it registers
+        with is still starting): its first real step then finds both compiled."""
+        params = {
+            p: jax.ShapeDtypeStruct(self.tree.shapes[p], self.tree.dtypes[p], sharding=s)
+            for p, s in self.shardings.items()
+        }
+        _, state = opt_state_specs(tx, self.tree, self.specs)
+        state = jax.tree.map(
+            lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+            state,
+            self.state_shardings(tx),
+        )
+        batch = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(
+                np.shape(leaf),
+                np.asarray(leaf).dtype,
+                sharding=self.batch_sharding if np.ndim(leaf) else self.replicated,
+            ),
+            batch,
+        )
+        step.lower(params, state, batch).compile()
+        _init_fn(self, tx, False).lower(params, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+
+
 _copy = jax.jit(jnp.copy)
 
 

@@ -5,6 +5,7 @@ leaf, one compilation of the step, and the same losses as one device."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -14,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from ray_diloco.algorithm import sharding, wire
 from ray_diloco.algorithm.downstream import Message
-from ray_diloco.algorithm.learner_core import LearnerCore
-from ray_diloco.algorithm.setup import Setup, check_task
+from ray_diloco.algorithm.learner_core import LearnerCore, compile_ahead
+from ray_diloco.algorithm.setup import Setup, check_task, learner_layout
 from ray_diloco.config import ConfigError, load_config
 from ray_diloco.sim.simulate import run_reference
 from ray_diloco.task import Task
@@ -141,6 +142,25 @@ def test_a_received_fragment_keeps_its_layout_and_the_step_compiles_once() -> No
         core.train_step(*core.next_batch())
     assert {k: v.sharding for k, v in core.params.items()} == layouts
     assert core.step_fn._cache_size() == 1
+
+
+def test_a_step_compiled_ahead_from_shapes_is_the_one_the_first_step_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A schedule length no other test compiles: the step program is this test's own.
+    cfg = load_config(None, [*SHARDED, *_mesh(4), "inner.decay_tokens=123456"])
+    setup = Setup.build(cfg)
+    layout = learner_layout(cfg, setup.task, setup.layout, cfg.learners[0])
+    with jax.log_compiles(), caplog.at_level(logging.DEBUG, logger="jax"):
+        compile_ahead(cfg, cfg.learners[0], setup.task, layout)
+        ahead = [r.getMessage() for r in caplog.records if "jit(step)" in r.getMessage()]
+        caplog.clear()
+        core = _core(cfg, setup)
+        assert core.layout is layout
+        core.train_step(*core.next_batch())
+        first = [r.getMessage() for r in caplog.records]
+    assert ahead, "compile_ahead compiled no step"
+    assert not [m for m in first if "jit(step)" in m or "jit_step" in m], first
 
 
 def test_an_offer_started_before_a_new_version_carries_the_old_base() -> None:

@@ -224,12 +224,18 @@ class LearnerHost:
     def _train(
         self, task: Any, tree: Any, link: Any, layout: Any, channel: SyncChannel | None, plan: Any
     ) -> None:
-        from ray_diloco.algorithm import sharding
+        from ray_diloco.algorithm import learner_core, sharding
         from ray_diloco.algorithm.learner_core import LearnerCore
         from ray_diloco.algorithm.leases import Lease
         from ray_diloco.algorithm.pacing import StepClock
 
         cfg, lg = self.cfg, self.lg
+        if self.incarnation == 0:
+            # The parameters' values come with the registration; the step's program needs only
+            # their shapes, so it compiles while a synchronizer that starts with the run is
+            # still building. A restarted incarnation registers first: that fences the one it
+            # replaces at once.
+            learner_core.compile_ahead(cfg, lg, task, layout)
         reply = Registration(None, {}, (0, 0, []), plan, finished=False)
         if channel is not None:
             reply = channel.register(self.stop)
