@@ -29,6 +29,7 @@ from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy, Verdict
 from ray_diloco.algorithm.rounds import RoundBook
+from ray_diloco.algorithm.stream_merge import Streamed, arrival_norms, stream_outer_gradient
 from ray_diloco.algorithm.sync_recovery import Recoveries, Recovery, Values
 from ray_diloco.algorithm.variants import Variants, scaled
 from ray_diloco.config import RunConfig
@@ -60,11 +61,14 @@ class Admission:
 
 @dataclass(frozen=True)
 class Held:
-    """A pending contribution (the round book's opaque payload): its values `theta` and
-    `||G - theta||^2` per leaf, measured by the norm guard against `anchor`, the global value
-    then; the merge reuses them while G is still that value."""
+    """A pending contribution (the round book's opaque payload), kept as it came off the wire:
+    its values are `start + decode(delta)` (`start` the synchronizer's own array, shared by
+    every offer on it, never a copy), with `||G - theta||^2` per leaf measured by the norm
+    guard against `anchor`, the global value then; the merge reuses them while G is still
+    that value, and decodes the delta a chunk at a time (`stream_merge.py`)."""
 
-    theta: Values
+    delta: Mapping[str, wire.Encoded]
+    start: Values
     sq: dict[str, float]
     anchor: Values
 
@@ -235,13 +239,13 @@ class SynchronizerCore:
         # Anchored at its base, a contribution is held as G + its own update: its outer
         # gradient G - theta is then that update, and its distance to G the update's norm.
         start = self.variants.anchor.start(current, base)
-        theta, sq, own = {}, {}, 0.0
+        sq, own = {}, 0.0
         for k, e in delta.items():
-            theta[k], sq[k], leaf_own = wire.decode_add(e, start[k], current[k])
+            sq[k], leaf_own = arrival_norms(e, start[k], current[k])
             own += leaf_own
         finite = math.isfinite(sum(sq.values()))
         norm = math.sqrt(own) if finite else None  # the learner's own update (the guard's)
-        held = Held(theta, sq, current)
+        held = Held(delta, start, sq, current)
         verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=held)
         return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
 
@@ -277,12 +281,12 @@ class SynchronizerCore:
         held: list[Held] = [c.payload for c in close.contributions]
         weights = self._weights(close)
         contributions = [
-            (rule.anchor.values(h.theta, h.anchor, g), weight)
+            (Streamed(h.delta, h.start, rule.anchor.moved_from(h.anchor, g)), weight)
             for h, weight in zip(held, weights, strict=True)
         ]
         # The guard's norms hold while G is the value they were measured against.
         sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
-        parts = merge.scaled_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
+        parts = stream_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
         grad = {k: a for k, (a, _) in parts.items()}
         merged = len({c.meta.learner for c in close.contributions})
         grad_factor, fraction = rule.round_step(merged, close.learners)
