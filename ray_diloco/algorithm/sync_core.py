@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
-from ray_diloco.algorithm.downstream import Downstream, Message
+from ray_diloco.algorithm.downstream import Downstream, Message, kept
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
@@ -46,6 +46,14 @@ def _well_formed(delta: object, like: Values) -> bool:
     if not isinstance(delta, Mapping) or set(delta) != set(like):
         return False
     return all(wire.well_formed(e, like[k].shape) for k, e in delta.items())
+
+
+def _owner(a: Any) -> Any:
+    """The object that owns `a`'s memory: an array's base (its bytes, for a view of a
+    message's payload), or `a` itself."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,10 @@ class SynchronizerCore:
         self.outer_states = {p: outer.init_outer_state(self.tx, v) for p, v in self.values.items()}
         # Version 0 is the shared initialisation every learner starts from, exactly.
         self.published: dict[int, dict[int, Values]] = {p: {0: v} for p, v in self.values.items()}
+        # Per fragment, learner -> the oldest version its offers can still be based on (the
+        # one it adopted on registering, then that of its newest accepted offer: a learner's
+        # base only moves forward). Older published versions can be no base and are dropped.
+        self.bases: dict[int, dict[str, int]] = {p: {} for p in self.owned}
         self.down = Downstream(cfg.diloco, self.owned)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
@@ -165,7 +177,10 @@ class SynchronizerCore:
         cursor) of a learner that kept training through a synchronizer restore;
         `tokens_per_step`: what one of its inner steps reads (bounds the tokens it claims)."""
         versions = self.book.register(learner, incarnation, now, tokens_per_step)
-        self.down.adopted(learner, {p: v for p, (v, _) in self.snapshot().items()})
+        adopted = {p: v for p, (v, _) in self.snapshot().items()}
+        self.down.adopted(learner, adopted)
+        for p, v in adopted.items():
+            self.bases[p][learner] = v
         if not self.owns_data:
             cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
             return Admission(versions, [], 0, cursor)
@@ -181,6 +196,9 @@ class SynchronizerCore:
         """`learner` left the run for good: out of the quorum, its unread data back to the
         pool (returned)."""
         self.book.leave(learner, now)
+        self.down.left(learner)
+        for bases in self.bases.values():
+            bases.pop(learner, None)
         return self.ledger.leave(learner) if self.owns_data else []
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
@@ -224,6 +242,11 @@ class SynchronizerCore:
         if base is None:
             if not merge.all_finite(wire.decode_tree(delta)):  # non-finite whatever its version
                 return self._reject(self.book.offer(meta, now, finite=False), meta)
+            # A version no current learner can be based on is dropped: an offer on one comes
+            # from a fenced incarnation (or no registered learner), refused as that.
+            fenced = self.book.offer(meta, now, finite=False)
+            if fenced in (Verdict.OLD_INCARNATION, Verdict.UNKNOWN_LEARNER):
+                return self._reject(fenced, meta)
             # Older than the history we keep (or from before a synchronizer restart): it cannot
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
@@ -247,7 +270,11 @@ class SynchronizerCore:
         norm = math.sqrt(own) if finite else None  # the learner's own update (the guard's)
         held = Held(delta, start, sq, current)
         verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=held)
-        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
+        if verdict is not Verdict.ACCEPTED:
+            return self._reject(verdict, meta)
+        bases = self.bases[meta.fragment]
+        bases[meta.learner] = max(bases.get(meta.learner, 0), meta.base_version)
+        return verdict
 
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
@@ -327,10 +354,19 @@ class SynchronizerCore:
         """Account the merged round. Returns the contributions dropped as late (`late_policy:
         drop`), counted as refused: refusals to record."""
         self.ledger.record_merge(pub.close)
+        self._drop_old_versions(pub.fragment)
         late = [e.meta for e in self.book.commit(pub.close, pub.sync_time_s, now)]
         for meta in late:
             self._reject(Verdict.LATE, meta)
         return late
+
+    def _drop_old_versions(self, p: int) -> None:
+        """Drop the published versions of `p` older than every learner's possible base (the
+        newest always stays). Under the lock that guards offers, which read the history."""
+        hist = self.published[p]
+        floor = min(min(self.bases[p].values(), default=max(hist)), max(hist))
+        if any(v < floor for v in hist):
+            self.published[p] = {v: q for v, q in hist.items() if v >= floor}
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
@@ -381,6 +417,44 @@ class SynchronizerCore:
             out.update(v)
         return out
 
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of every piece of state this core keeps between rounds, by piece (each array
+        counted once, whoever shares it; docs/synchronizer-memory.md): `global` values and
+        outer `momentum` (float32), the published `versions` that can still be a base (in the
+        full dtype; version 0 is the float32 initialisation), the `differences` kept to send
+        down, and `held` offers, as encoded, waiting for their round."""
+        seen: set[int] = set()
+
+        def size(arrays: Iterable[Any]) -> int:
+            total = 0
+            for a in arrays:
+                owner = _owner(a)
+                if id(owner) not in seen:
+                    seen.add(id(owner))
+                    total += owner.nbytes if isinstance(owner, np.ndarray) else len(owner)
+            return total
+
+        pending = [
+            e.payload for f in self.book.fragments.values() for e in [*f.pending.values(), *f.kept]
+        ]
+        return {
+            "global": size(a for v in self.values.values() for a in v.values()),
+            "momentum": size(a for s in self.outer_states.values() for a in s["trace"].values()),
+            "versions": size(
+                a for h in self.published.values() for q in h.values() for a in q.values()
+            ),
+            "differences": size(
+                b
+                for chain in self.down.chain.values()
+                for diff in chain.values()
+                for e in diff.values()
+                for b in (e.payload, e.scales)
+            ),
+            "held": size(
+                b for h in pending for e in h.delta.values() for b in (e.payload, e.scales)
+            ),
+        }
+
     # -- checkpointing ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -401,7 +475,10 @@ class SynchronizerCore:
         }
         self.outer_states = {int(p): s for p, s in state["outer_states"].items()}
         self.published = {
-            int(p): {int(v): vals for v, vals in h.items()} for p, h in state["published"].items()
+            int(p): {
+                int(v): kept(vals, self.down.full) if int(v) else vals for v, vals in h.items()
+            }
+            for p, h in state["published"].items()
         }
         self.book.load_state_dict(state["book"], now)
         self.ledger.load_state_dict(state["ledger"])
