@@ -126,6 +126,7 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
         for _ in range(LEARNERS)
     ]
     latencies: list[tuple[int, float]] = []
+    cpu: list[tuple[int, float, float]] = []  # (step, arrival CPU s, round CPU s)
     refused = 0
     behind = 0
     first: dict[str, int] = {}
@@ -141,13 +142,19 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
         for p in due_fragments(step, H, P):
             if p not in owned:
                 continue
+            c0 = time.process_time()
             verdicts = _offers(core, plan, deltas, p, step)
+            c1 = time.process_time()
             refused += sum(v != "accepted" for v in verdicts)
             _round(core, names)
+            cpu.append((step, c1 - c0, time.process_time() - c1))
             latencies.append((step, time.monotonic() - due))
         if step == H:  # the first cycle: every fragment merged once, version 0 still a base
             first = core.resident_bytes()
     measured = sorted(d for s, d in latencies if s > H)
+    arrival = statistics.median(a for s, a, _ in cpu if s > H)
+    merge = statistics.median(m for s, _, m in cpu if s > H)
+    interval = H * STEP_S / len(owned)  # between two of this shard's rounds
     gc.collect()
     resident = core.resident_bytes()  # steady: the bases are versions the shard published
     out: dict[str, Any] = {
@@ -166,8 +173,16 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
         "latency_p99_s": measured[min(len(measured) - 1, int(0.99 * len(measured)))],
         "steps_late": behind,
         "offers_refused": refused,
+        # CPU seconds of one round (its 4 offers' arrival; the merge, outer step, commit and
+        # the messages down), median: what a core of its own would take, whatever the load.
+        "arrival_cpu_s": arrival,
+        "round_cpu_s": merge,
+        "round_interval_s": interval,
+        "contributions_gb_per_cpu_s": LEARNERS * 4 * plan.sizes[0] / 1e9 / (arrival + merge),
     }
     out["kept_up"] = out["latency_p99_s"] < STEP_S and not refused
+    # On a core of its own: the round's CPU done within the step, the offers' before the next.
+    out["keeps_up_on_own_core"] = merge < STEP_S and arrival + merge < interval
     if restore:
         directory = tempfile.mkdtemp(prefix="sync-scale-")
         try:
@@ -175,7 +190,9 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
             # One more round past the checkpoint: a learner holds it, the checkpoint does not.
             _offers(core, plan, deltas, owned[0], steps + 1)
             _round(core, names)
-            out["restore"] = _restore(core, cfg, plan, owned, saved, deltas, names)
+            newest = core.snapshot()
+            del core  # the shard dies
+            out["restore"] = _restore(newest, cfg, plan, owned, saved, deltas, names)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     return out
@@ -192,7 +209,7 @@ def _checkpoint(core: Any, directory: str) -> tuple[Any, Any]:
 
 
 def _restore(
-    core: Any,
+    newest: Any,
     cfg: Any,
     plan: Any,
     owned: list[int],
@@ -208,7 +225,6 @@ def _restore(
     ckpt, (save_s, versions) = saved
     # What the learners hold: the newest publication of every fragment; the rounds past the
     # checkpoint, as the round log has them.
-    newest = core.snapshot()
     delivered = {p: v for p, (v, _) in newest.items()}
     held = {
         p: (v, {k: np.asarray(a, np.float32) for k, a in q.items()})
@@ -217,7 +233,6 @@ def _restore(
     }
     logged = [LoggedRound(p, v, (), {}) for p, (v, _) in held.items()]
     del newest
-    del core
     gc.collect()
     t0 = time.monotonic()
     init = {
