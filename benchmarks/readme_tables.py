@@ -546,8 +546,13 @@ def synchronizer_scale(data: dict[str, Any]) -> str:
             "round latency, median / p99": (
                 f"{_num(r['latency_median_s'], 2)} / {_num(r['latency_p99_s'], 2)} s"
             ),
+            "CPU s a round: offers' arrival + round": (
+                f"{r['arrival_cpu_s']:.2f} + {r['round_cpu_s']:.2f} "
+                f"({r['contributions_gb_per_cpu_s']:.2f} GB/s)"
+            ),
             "offers refused": r["offers_refused"],
             "kept up": "yes" if r["kept_up"] else "no",
+            "on a core of its own": "yes" if r["keeps_up_on_own_core"] else "no",
             "load": f"{r['load_before']:.1f}",
         }
         for r in data["rows"]

@@ -1,16 +1,16 @@
-"""The merge of one round read from its encoded contributions (issue 43, items 2 and 3).
+"""The merge of one round read from its encoded contributions.
 
 Per cell: one fragment of 1 MB to 1 GB of float32 (four leaves), M = 4 contributions as they
 come off the wire (bfloat16, or int4 in blocks of 64), in a fresh process pinned to one core.
 A merge takes the contributions from their arrival to one outer gradient:
 
-- `decoded` (the synchronizer's former path): each contribution decoded onto its float32
-  base as it arrives (`wire.decode_add`, which also measures the norm guard's figures), kept
-  as float32, then `merge.scaled_outer_gradient` with the guard's norms (RDA).
+- `decoded` (the synchronizer's former path): each contribution decoded onto its base as it
+  arrives (`wire.decode_add`, which also measures the norm guard's figures), kept as float32,
+  then `merge.scaled_outer_gradient` with the guard's norms (RDA).
 - `streamed` (`sync_core`'s path, `algorithm/stream_merge.py`): each contribution's norms
   measured as it arrives without keeping its values (`arrival_norms`), kept encoded, then
-  `stream_outer_gradient`, which decodes it again one chunk at a time; the base in bfloat16,
-  as the synchronizer keeps published versions (docs/synchronizer-memory.md).
+  `stream_outer_gradient`, which decodes it again one chunk at a time (here on a float32
+  base; the synchronizer now keeps bases in bfloat16 and widens them per chunk).
 - `jax` (only to compare kernels, not shipped): the second pass as one jitted XLA CPU
   kernel over whole leaves (decode, add to the base, subtract from G, weight, sum: fused),
   on one thread, against the same pass in NumPy (`numpy_pass_s`).
@@ -35,7 +35,6 @@ import time
 import tracemalloc
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from common import parser, write_results
@@ -54,11 +53,7 @@ def _inputs(mb: int, wire_dtype: str) -> tuple[dict, dict, dict, list[float]]:
     n = mb * MB // 4 // LEAVES
     rng = np.random.default_rng(0)
     g = {f"layer_{i}": rng.normal(0, 0.02, n).astype(np.float32) for i in range(LEAVES)}
-    # A published version: exact in bfloat16 (the streamed path reads it so, widened per chunk).
-    base = {
-        k: (v + rng.normal(0, 1e-3, n).astype(np.float32)).astype(ml_dtypes.bfloat16)
-        for k, v in g.items()
-    }
+    base = {k: v + rng.normal(0, 1e-3, n).astype(np.float32) for k, v in g.items()}
     # One delta, sent by every learner: the work per byte does not depend on the values.
     delta = {
         k: wire.encode(rng.normal(0, 1e-3, n).astype(np.float32), wire_dtype, BLOCK)  # type: ignore[arg-type]
@@ -183,13 +178,12 @@ def _numpy_pass(
 def cell(mb: int, wire_dtype: str, chunk: int, rounds: int) -> list[dict[str, Any]]:
     """Both paths on one fragment, in this process (pin it to one core first)."""
     g, base, delta, weights = _inputs(mb, wire_dtype)
-    base32 = {k: v.astype(np.float32) for k, v in base.items()}  # as the former path held it
     contributed = LEARNERS * mb * MB  # float32 bytes of the contributions
     wire_bytes = LEARNERS * sum(e.nbytes for e in delta.values())
     result = mb * MB
     rows = []
     runs = {
-        "decoded": lambda: _decoded(g, base32, delta, weights),
+        "decoded": lambda: _decoded(g, base, delta, weights),
         "streamed": lambda: _streamed(g, base, delta, weights, chunk),
     }
     for path, fn in runs.items():
@@ -214,9 +208,9 @@ def cell(mb: int, wire_dtype: str, chunk: int, rounds: int) -> list[dict[str, An
         )
     if mb in JAX_MB:
         coefs = [w / sum(weights) for w in weights]
-        jax_cpus, kernel_cpus = _jax_pass(g, base32, delta, coefs, rounds)
+        jax_cpus, kernel_cpus = _jax_pass(g, base, delta, coefs, rounds)
         jax_cpu, kernel_cpu = statistics.median(jax_cpus), statistics.median(kernel_cpus)
-        numpy_cpu = statistics.median(_numpy_pass(g, base32, delta, coefs, rounds, chunk))
+        numpy_cpu = statistics.median(_numpy_pass(g, base, delta, coefs, rounds, chunk))
         rows.append(
             {
                 "fragment_mb": mb,

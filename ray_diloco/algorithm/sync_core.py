@@ -4,9 +4,11 @@ Holds the global value of every fragment it owns (all of them, or a shard's shar
 `algorithm/shards.py`), the per-fragment outer optimizer state, the recent published versions
 (the bases learners' deltas are relative to), the round book and the token ledger; the core
 that `owns_data` (shard 0) hands out the data pool's leases, every core keeps the cursors the
-learners report. `offer` reconstructs a contribution from its wire delta, guards it and hands
-it to the round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step,
-commit, and the value to publish (docs/algorithm.md sections 5 to 7). The in-process reference run
+learners report. `offer` measures a contribution from its wire delta and the base it is
+relative to, guards it and hands it to the round book still encoded; `poll` closes due rounds:
+token-weighted RDA merge read from the encoded offers a chunk at a time (`stream_merge.py`),
+Nesterov outer step, commit, and the value to publish (docs/algorithm.md sections 5 to 7). What
+it keeps per parameter is in docs/synchronizer-memory.md. The in-process reference run
 (`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
 Its recovery after a restart (no merged round lost) lives in `sync_recovery.py`.
 """
