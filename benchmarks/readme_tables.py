@@ -527,6 +527,57 @@ def headline(results: Path = RESULTS, pages: str = "docs/results/") -> str:
     )
 
 
+def synchronizer_scale(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    rows = [
+        {
+            "shard": r["shard"],
+            "parameters": _params(r["params"]),
+            "resident B/param (global + momentum + versions + differences + held)": (
+                f"**{r['resident_bytes_per_param_total']:.2f}** ("
+                + " + ".join(
+                    f"{r['resident_bytes_per_param'][k]:.2f}"
+                    for k in ("global", "momentum", "versions", "differences", "held")
+                )
+                + ")"
+            ),
+            "first cycle B/param": f"{r['first_cycle_bytes_per_param_total']:.2f}",
+            "peak RSS": f"{r['peak_rss_gb']:.2f} GB ({r['peak_rss_bytes_per_param']:.1f} B/param)",
+            "round latency, median / p99": (
+                f"{_num(r['latency_median_s'], 2)} / {_num(r['latency_p99_s'], 2)} s"
+            ),
+            "CPU s a round: offers' arrival + round": (
+                f"{r['arrival_cpu_s']:.2f} + {r['round_cpu_s']:.2f} "
+                f"({r['contributions_gb_per_cpu_s']:.2f} GB/s)"
+            ),
+            "offers refused": r["offers_refused"],
+            "kept up": "yes" if r["kept_up"] else "no",
+            "on a core of its own": "yes" if r["keeps_up_on_own_core"] else "no",
+            "load": f"{r['load_before']:.1f}",
+        }
+        for r in data["rows"]
+    ]
+    parts = [
+        f"{_params(meta['params'])} parameters, P = {meta['num_fragments']}, H = "
+        f"{meta['sync_every']}, {meta['shards']} shards, {meta['learners']} learners offering "
+        f"{meta['wire']} (differences down: {meta['publish_delta']}), a {meta['step_s']:g} s "
+        "step; each shard alone in a process pinned to one core:",
+        markdown_table(rows, list(rows[0])),
+    ]
+    r = meta.get("restore")
+    if r:
+        parts.append(
+            f"Restore of shard 0, from its death to its first merged round: "
+            f"**{r['total_s']:.1f} s** (Orbax restore and a fresh core "
+            f"{r['orbax_restore_s']:.1f} s, "
+            f"recovery of {r['fragments_recovered']} fragment from a learner's value and 4 "
+            f"registrations {r['recovery_and_registration_s']:.2f} s, the first round "
+            f"{r['first_round_s']:.1f} s; the checkpoint's save took "
+            f"{r['checkpoint_save_s']:.1f} s)."
+        )
+    return "\n\n".join(parts)
+
+
 # The plots each results page shows under its table (files in benchmarks/results/).
 PLOTS: dict[str, list[str]] = {
     "quality": ["quality.png"],
@@ -560,6 +611,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "bandwidth_sim": bandwidth_sim,
     "scavenging": scavenging,
     "synchronizer": synchronizer,
+    "synchronizer_scale": synchronizer_scale,
     "sharded_learner": sharded_learner,
 }
 

@@ -1,15 +1,16 @@
-"""The merge of one round read from its encoded contributions (issue 43, items 2 and 3).
+"""The merge of one round read from its encoded contributions.
 
 Per cell: one fragment of 1 MB to 1 GB of float32 (four leaves), M = 4 contributions as they
 come off the wire (bfloat16, or int4 in blocks of 64), in a fresh process pinned to one core.
 A merge takes the contributions from their arrival to one outer gradient:
 
-- `decoded` (today's path, `sync_core`): each contribution decoded onto its base as it arrives
-  (`wire.decode_add`, which also measures the norm guard's figures), kept as float32, then
-  `merge.scaled_outer_gradient` with the guard's norms (RDA).
-- `streamed` (`algorithm/stream_merge.py`): each contribution's norms measured as it arrives
-  without keeping its values (`arrival_norms`), kept encoded, then `stream_outer_gradient`,
-  which decodes it again one chunk at a time.
+- `decoded` (the synchronizer's former path): each contribution decoded onto its base as it
+  arrives (`wire.decode_add`, which also measures the norm guard's figures), kept as float32,
+  then `merge.scaled_outer_gradient` with the guard's norms (RDA).
+- `streamed` (`sync_core`'s path, `algorithm/stream_merge.py`): each contribution's norms
+  measured as it arrives without keeping its values (`arrival_norms`), kept encoded, then
+  `stream_outer_gradient`, which decodes it again one chunk at a time (here on a float32
+  base; the synchronizer now keeps bases in bfloat16 and widens them per chunk).
 - `jax` (only to compare kernels, not shipped): the second pass as one jitted XLA CPU
   kernel over whole leaves (decode, add to the base, subtract from G, weight, sum: fused),
   on one thread, against the same pass in NumPy (`numpy_pass_s`).

@@ -61,6 +61,21 @@ def _round(x: np.ndarray, full: WireDtype) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def kept(values: Values, full: WireDtype) -> dict[str, np.ndarray]:
+    """Q_v as the synchronizer keeps it: in the full dtype, which holds it exactly (bfloat16:
+    2 bytes a parameter, not float32's 4)."""
+    if full == "float32":
+        return dict(values)
+    return {k: np.asarray(v).astype(ml_dtypes.bfloat16, copy=False) for k, v in values.items()}
+
+
+def _view(encoded: Mapping[str, wire.Encoded]) -> dict[str, np.ndarray]:
+    """Q_v read in place from its full bfloat16 message: the bytes that go down, kept once."""
+    return {
+        k: np.frombuffer(e.payload, ml_dtypes.bfloat16).reshape(e.shape) for k, e in encoded.items()
+    }
+
+
 def resolve(
     held: Values, diff: Mapping[str, wire.Encoded], full: WireDtype
 ) -> dict[str, np.ndarray]:
@@ -90,24 +105,39 @@ class Downstream:
         self.keep = max(1, d.max_staleness_versions)
         self.chain: dict[int, dict[int, dict[str, wire.Encoded]]] = {p: {} for p in fragments}
         self.holds: dict[int, dict[str, int]] = {p: {} for p in self.chain}
-        self._full: dict[int, Message] = {}  # the newest full value sent of each fragment
+        # The newest full value of each fragment, kept where it costs nothing: without
+        # differences its bytes are Q_v itself; with them it is encoded afresh when needed.
+        self._full: dict[int, Message] = {}
 
     def publish(
         self, fragment: int, version: int, values: Values, prev: Values | None
     ) -> tuple[dict[str, np.ndarray], dict[str, wire.Encoded]]:
         """Version `version` of `fragment` from the new global `values` and Q of the version
-        before (`prev`): returns (Q_v, what goes down to a learner holding `prev`)."""
+        before (`prev`): returns (Q_v as kept, `kept`; what goes down to a learner holding
+        `prev`)."""
         chain = self.chain[fragment]
         for v in [v for v in chain if v <= version - self.keep]:
             del chain[v]
+        self._full.pop(fragment, None)
         if self.delta is None or prev is None:
             encoded = wire.encode_tree(values, self.full)
-            q = dict(values) if self.full == "float32" else wire.decode_tree(encoded)
-            self._full[fragment] = Message(fragment, version, None, encoded)
-            return q, encoded
-        diff = {k: np.asarray(values[k], np.float32) - prev[k] for k in values}
+            if self.full == "float32":
+                return dict(values), encoded
+            if self.delta is None:
+                self._full[fragment] = Message(fragment, version, None, encoded)
+            return _view(encoded), encoded
+        diff = {
+            k: np.asarray(values[k], np.float32) - np.asarray(prev[k], np.float32) for k in values
+        }
         chain[version] = wire.encode_tree(diff, self.delta, self.block_size)
-        return resolve(prev, chain[version], self.full), chain[version]
+        if self.full == "float32":
+            return resolve(prev, chain[version], self.full), chain[version]
+        # `resolve`, rounded straight to the kept bfloat16: the same bits, one pass less.
+        q = {
+            k: wire.decode_add(e, prev[k])[0].astype(ml_dtypes.bfloat16)
+            for k, e in chain[version].items()
+        }
+        return q, chain[version]
 
     def messages(
         self, fragment: int, version: int, q: Values, learners: Iterable[str]
@@ -127,6 +157,10 @@ class Downstream:
                 chain = self.chain[fragment]
                 steps = range(first, version + 1)
                 out.append((names, [Message(fragment, v, v - 1, chain[v]) for v in steps]))
+        # A difference every learner has been sent is never needed again.
+        chain = self.chain[fragment]
+        for v in [v for v in chain if v <= min(held.values(), default=v)]:
+            del chain[v]
         return out
 
     def _first(self, fragment: int, version: int, have: int | None, q: Values) -> int | None:
@@ -150,7 +184,6 @@ class Downstream:
         msg = self._full.get(fragment)
         if msg is None or msg.version != version:
             msg = Message(fragment, version, None, wire.encode_tree(q, self.full))
-            self._full[fragment] = msg
         return msg
 
     def adopted(self, learner: str, versions: Mapping[int, int]) -> None:
@@ -158,6 +191,11 @@ class Downstream:
         for p, v in versions.items():
             if p in self.holds:
                 self.holds[p][learner] = v
+
+    def left(self, learner: str) -> None:
+        """`learner` left the run: no difference is kept for it any more."""
+        for held in self.holds.values():
+            held.pop(learner, None)
 
     def forget(self, fragment: int) -> None:
         """No learner's copy of `fragment` is known any more (a restore renamed versions):

@@ -331,7 +331,10 @@ class LearnerCore:
             else:
                 self.params[k] = self.layout.param(k, value)
         # Decision (docs/algorithm.md section 4): the inner optimizer state is kept.
-        self.base_values[p] = host
+        # The base is kept in the published dtype, which holds it exactly (bfloat16: half of
+        # float32; version 0 is the float32 initialisation).
+        exact = version == 0 or self.full_dtype == "float32"
+        self.base_values[p] = host if exact else downstream.kept(host, self.full_dtype)
         self.base_version[p] = version
         self.steps_since[p] = 0
         self.tokens_since[p] = 0

@@ -19,6 +19,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -43,6 +44,27 @@ class Streamed:
     anchor: Values | None = None
 
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def flat_start(x: ArrayLike) -> np.ndarray:
+    """A flat view of a start array: bfloat16 as it is kept (a published version, read a chunk
+    at a time), anything else as float32 (`chunks.flat32`)."""
+    a = np.asarray(x)
+    return a.reshape(-1) if a.dtype == BF16 else flat32(a)
+
+
+def _add_start(start: np.ndarray, s: int, e: int, out: np.ndarray, scratch: np.ndarray) -> None:
+    """`out += start[s:e]` in float32: a bfloat16 start widened exactly (the top half of its
+    float32) into `scratch` first."""
+    if start.dtype == BF16:
+        wide = scratch[: e - s]
+        np.left_shift(start[s:e].view(np.uint16), 16, out=wide.view(np.uint32), dtype=np.uint32)
+        out += wide
+    else:
+        out += start[s:e]
+
+
 def _reader(enc: wire.Encoded) -> wire.Fill:
     """`fill(s, e, out)`: decode elements s:e of `enc` into the float32 `out` from views of its
     buffers (no copy of the leaf): `wire.decode`'s values, bit for bit, from any chunk start."""
@@ -64,10 +86,10 @@ class _Source:
         self.fill = _reader(enc)
         self.start, self.anchor, self.g = start, anchor, g
 
-    def outer(self, s: int, e: int, out: np.ndarray) -> None:
+    def outer(self, s: int, e: int, out: np.ndarray, scratch: np.ndarray) -> None:
         self.fill(s, e, out)
         if self.start is not None:
-            out += self.start[s:e]  # theta, as `wire.decode_add` makes it
+            _add_start(self.start, s, e, out, scratch)  # theta, as `wire.decode_add` makes it
         if self.anchor is not None:
             out -= self.anchor[s:e]
             out += self.g[s:e]  # type: ignore[index]  # G + (theta - anchor), as sync_core
@@ -91,13 +113,13 @@ def _check_chunk(chunk: int) -> None:
 
 def _norms(sources: Sequence[_Source], n: int, chunk: int) -> list[float]:
     """`||d_c||^2` of every source's outer gradient, one chunk at a time."""
-    buf = np.empty(min(chunk, n), F32)
+    buf, scratch = np.empty((2, min(chunk, n)), F32)
     sq = [0.0] * len(sources)
     with np.errstate(over="ignore", invalid="ignore"):  # a non-finite norm is the answer
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             for c, src in enumerate(sources):
-                src.outer(s, e, buf[: e - s])
+                src.outer(s, e, buf[: e - s], scratch)
                 sq[c] += _sq(buf[: e - s])
     return sq
 
@@ -107,14 +129,14 @@ def _combine(
 ) -> tuple[np.ndarray, float]:
     """`sum_c coefs[c] * d_c` in float32 (as `merge._combine`) and its squared norm."""
     out = np.zeros(n, F32)
-    buf = np.empty(min(chunk, n), F32)
+    buf, scratch = np.empty((2, min(chunk, n)), F32)
     total = 0.0
     live = [(src, F32(coef)) for src, coef in zip(sources, coefs, strict=True) if coef != 0.0]
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         acc, t = out[s:e], buf[: e - s]
         for src, coef in live:
-            src.outer(s, e, t)
+            src.outer(s, e, t, scratch)
             t *= coef
             acc += t
         total += _sq(acc)
@@ -129,7 +151,7 @@ def arrival_norms(
     synchronizer measures as an offer arrives (the norm guard's, and RDA's first pass), before
     it keeps the offer encoded. `start`, `anchor`: of the leaf's shape (or flat)."""
     n = wire._checked(enc)
-    b = flat32(start)
+    b = flat_start(start)
     g = None if anchor is None else flat32(anchor)
     if b.size != n or (g is not None and g.size != n):
         raise ValueError(f"arrival_norms: {n} elements on the wire, values of another size")
@@ -144,7 +166,7 @@ def arrival_norms(
             chunk = buf[: e - s]
             fill(s, e, chunk)
             own += float(np.dot(chunk, chunk))
-            chunk += b[s:e]
+            _add_start(b, s, e, chunk, tmp)
             if g is not None:
                 diff = np.subtract(g[s:e], chunk, out=tmp[: e - s])
                 sq += float(np.dot(diff, diff))
@@ -220,7 +242,7 @@ def stream_outer_gradient(
                     f"outer_gradient: leaf {path!r} of contribution {i} is not a well-formed "
                     f"encoding of shape {np.shape(value)}"
                 )
-            start = None if c.start is None else flat32(c.start[path])
+            start = None if c.start is None else flat_start(c.start[path])
             anchor = None if c.anchor is None else flat32(c.anchor[path])
             sources.append((enc, start, anchor))
         rule: MergeMethod = "mean" if method == "mean" or path in embedding_paths else "rda"

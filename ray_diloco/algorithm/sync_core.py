@@ -4,9 +4,11 @@ Holds the global value of every fragment it owns (all of them, or a shard's shar
 `algorithm/shards.py`), the per-fragment outer optimizer state, the recent published versions
 (the bases learners' deltas are relative to), the round book and the token ledger; the core
 that `owns_data` (shard 0) hands out the data pool's leases, every core keeps the cursors the
-learners report. `offer` reconstructs a contribution from its wire delta, guards it and hands
-it to the round book; `poll` closes due rounds: token-weighted RDA merge, Nesterov outer step,
-commit, and the value to publish (docs/algorithm.md sections 5 to 7). The in-process reference run
+learners report. `offer` measures a contribution from its wire delta and the base it is
+relative to, guards it and hands it to the round book still encoded; `poll` closes due rounds:
+token-weighted RDA merge read from the encoded offers a chunk at a time (`stream_merge.py`),
+Nesterov outer step, commit, and the value to publish (docs/algorithm.md sections 5 to 7). What
+it keeps per parameter is in docs/synchronizer-memory.md. The in-process reference run
 (`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
 Its recovery after a restart (no merged round lost) lives in `sync_recovery.py`.
 """
@@ -22,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
-from ray_diloco.algorithm.downstream import Downstream, Message
+from ray_diloco.algorithm.downstream import Downstream, Message, kept
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.round_log import LoggedRound
 from ray_diloco.algorithm.round_types import ContributionMeta, RoundClose, RoundPolicy, Verdict
 from ray_diloco.algorithm.rounds import RoundBook
+from ray_diloco.algorithm.stream_merge import Streamed, arrival_norms, stream_outer_gradient
 from ray_diloco.algorithm.sync_recovery import Recoveries, Recovery, Values
 from ray_diloco.algorithm.variants import Variants, scaled
 from ray_diloco.config import RunConfig
@@ -47,6 +50,14 @@ def _well_formed(delta: object, like: Values) -> bool:
     return all(wire.well_formed(e, like[k].shape) for k, e in delta.items())
 
 
+def _owner(a: Any) -> Any:
+    """The object that owns `a`'s memory: an array's base (its bytes, for a view of a
+    message's payload), or `a` itself."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
 @dataclass(frozen=True)
 class Admission:
     """What a registered learner starts from: fragment versions, its leases of the data (the
@@ -60,11 +71,14 @@ class Admission:
 
 @dataclass(frozen=True)
 class Held:
-    """A pending contribution (the round book's opaque payload): its values `theta` and
-    `||G - theta||^2` per leaf, measured by the norm guard against `anchor`, the global value
-    then; the merge reuses them while G is still that value."""
+    """A pending contribution (the round book's opaque payload), kept as it came off the wire:
+    its values are `start + decode(delta)` (`start` the synchronizer's own array, shared by
+    every offer on it, never a copy), with `||G - theta||^2` per leaf measured by the norm
+    guard against `anchor`, the global value then; the merge reuses them while G is still
+    that value, and decodes the delta a chunk at a time (`stream_merge.py`)."""
 
-    theta: Values
+    delta: Mapping[str, wire.Encoded]
+    start: Values
     sq: dict[str, float]
     anchor: Values
 
@@ -121,6 +135,10 @@ class SynchronizerCore:
         self.outer_states = {p: outer.init_outer_state(self.tx, v) for p, v in self.values.items()}
         # Version 0 is the shared initialisation every learner starts from, exactly.
         self.published: dict[int, dict[int, Values]] = {p: {0: v} for p, v in self.values.items()}
+        # Per fragment, learner -> the oldest version its offers can still be based on (the
+        # one it adopted on registering, then that of its newest accepted offer: a learner's
+        # base only moves forward). Older published versions can be no base and are dropped.
+        self.bases: dict[int, dict[str, int]] = {p: {} for p in self.owned}
         self.down = Downstream(cfg.diloco, self.owned)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
@@ -161,7 +179,10 @@ class SynchronizerCore:
         cursor) of a learner that kept training through a synchronizer restore;
         `tokens_per_step`: what one of its inner steps reads (bounds the tokens it claims)."""
         versions = self.book.register(learner, incarnation, now, tokens_per_step)
-        self.down.adopted(learner, {p: v for p, (v, _) in self.snapshot().items()})
+        adopted = {p: v for p, (v, _) in self.snapshot().items()}
+        self.down.adopted(learner, adopted)
+        for p, v in adopted.items():
+            self.bases[p][learner] = v
         if not self.owns_data:
             cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
             return Admission(versions, [], 0, cursor)
@@ -177,6 +198,9 @@ class SynchronizerCore:
         """`learner` left the run for good: out of the quorum, its unread data back to the
         pool (returned)."""
         self.book.leave(learner, now)
+        self.down.left(learner)
+        for bases in self.bases.values():
+            bases.pop(learner, None)
         return self.ledger.leave(learner) if self.owns_data else []
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
@@ -220,6 +244,11 @@ class SynchronizerCore:
         if base is None:
             if not merge.all_finite(wire.decode_tree(delta)):  # non-finite whatever its version
                 return self._reject(self.book.offer(meta, now, finite=False), meta)
+            # A version no current learner can be based on is dropped: an offer on one comes
+            # from a fenced incarnation (or no registered learner), refused as that.
+            fenced = self.book.offer(meta, now, finite=False)
+            if fenced in (Verdict.OLD_INCARNATION, Verdict.UNKNOWN_LEARNER):
+                return self._reject(fenced, meta)
             # Older than the history we keep (or from before a synchronizer restart): it cannot
             # be reconstructed, so it is fenced like any other too-stale contribution.
             stale = meta.base_version < max(hist)
@@ -235,15 +264,19 @@ class SynchronizerCore:
         # Anchored at its base, a contribution is held as G + its own update: its outer
         # gradient G - theta is then that update, and its distance to G the update's norm.
         start = self.variants.anchor.start(current, base)
-        theta, sq, own = {}, {}, 0.0
+        sq, own = {}, 0.0
         for k, e in delta.items():
-            theta[k], sq[k], leaf_own = wire.decode_add(e, start[k], current[k])
+            sq[k], leaf_own = arrival_norms(e, start[k], current[k])
             own += leaf_own
         finite = math.isfinite(sum(sq.values()))
         norm = math.sqrt(own) if finite else None  # the learner's own update (the guard's)
-        held = Held(theta, sq, current)
+        held = Held(delta, start, sq, current)
         verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=held)
-        return verdict if verdict is Verdict.ACCEPTED else self._reject(verdict, meta)
+        if verdict is not Verdict.ACCEPTED:
+            return self._reject(verdict, meta)
+        bases = self.bases[meta.fragment]
+        bases[meta.learner] = max(bases.get(meta.learner, 0), meta.base_version)
+        return verdict
 
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
@@ -277,12 +310,12 @@ class SynchronizerCore:
         held: list[Held] = [c.payload for c in close.contributions]
         weights = self._weights(close)
         contributions = [
-            (rule.anchor.values(h.theta, h.anchor, g), weight)
+            (Streamed(h.delta, h.start, rule.anchor.moved_from(h.anchor, g)), weight)
             for h, weight in zip(held, weights, strict=True)
         ]
         # The guard's norms hold while G is the value they were measured against.
         sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
-        parts = merge.scaled_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
+        parts = stream_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
         grad = {k: a for k, (a, _) in parts.items()}
         merged = len({c.meta.learner for c in close.contributions})
         grad_factor, fraction = rule.round_step(merged, close.learners)
@@ -323,10 +356,19 @@ class SynchronizerCore:
         """Account the merged round. Returns the contributions dropped as late (`late_policy:
         drop`), counted as refused: refusals to record."""
         self.ledger.record_merge(pub.close)
+        self._drop_old_versions(pub.fragment)
         late = [e.meta for e in self.book.commit(pub.close, pub.sync_time_s, now)]
         for meta in late:
             self._reject(Verdict.LATE, meta)
         return late
+
+    def _drop_old_versions(self, p: int) -> None:
+        """Drop the published versions of `p` older than every learner's possible base (the
+        newest always stays). Under the lock that guards offers, which read the history."""
+        hist = self.published[p]
+        floor = min(min(self.bases[p].values(), default=max(hist)), max(hist))
+        if any(v < floor for v in hist):
+            self.published[p] = {v: q for v, q in hist.items() if v >= floor}
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
@@ -377,6 +419,44 @@ class SynchronizerCore:
             out.update(v)
         return out
 
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of every piece of state this core keeps between rounds, by piece (each array
+        counted once, whoever shares it; docs/synchronizer-memory.md): `global` values and
+        outer `momentum` (float32), the published `versions` that can still be a base (in the
+        full dtype; version 0 is the float32 initialisation), the `differences` kept to send
+        down, and `held` offers, as encoded, waiting for their round."""
+        seen: set[int] = set()
+
+        def size(arrays: Iterable[Any]) -> int:
+            total = 0
+            for a in arrays:
+                owner = _owner(a)
+                if id(owner) not in seen:
+                    seen.add(id(owner))
+                    total += owner.nbytes if isinstance(owner, np.ndarray) else len(owner)
+            return total
+
+        pending = [
+            e.payload for f in self.book.fragments.values() for e in [*f.pending.values(), *f.kept]
+        ]
+        return {
+            "global": size(a for v in self.values.values() for a in v.values()),
+            "momentum": size(a for s in self.outer_states.values() for a in s["trace"].values()),
+            "versions": size(
+                a for h in self.published.values() for q in h.values() for a in q.values()
+            ),
+            "differences": size(
+                b
+                for chain in self.down.chain.values()
+                for diff in chain.values()
+                for e in diff.values()
+                for b in (e.payload, e.scales)
+            ),
+            "held": size(
+                b for h in pending for e in h.delta.values() for b in (e.payload, e.scales)
+            ),
+        }
+
     # -- checkpointing ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -397,7 +477,10 @@ class SynchronizerCore:
         }
         self.outer_states = {int(p): s for p, s in state["outer_states"].items()}
         self.published = {
-            int(p): {int(v): vals for v, vals in h.items()} for p, h in state["published"].items()
+            int(p): {
+                int(v): kept(vals, self.down.full) if int(v) else vals for v, vals in h.items()
+            }
+            for p, h in state["published"].items()
         }
         self.book.load_state_dict(state["book"], now)
         self.ledger.load_state_dict(state["ledger"])

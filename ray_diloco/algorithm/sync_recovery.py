@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.algorithm.downstream import Downstream
+from ray_diloco.algorithm.downstream import Downstream, kept
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.ledger import TokenLedger
 from ray_diloco.algorithm.round_log import LoggedRound
@@ -113,11 +113,12 @@ class Recoveries:
             }
             self.book.replay(fragment, e.version, merged)
         values[fragment] = value
-        hist = {adopted: copy}
+        # Version 0, the shared initialisation, is float32 as every learner started from it.
+        hist = {adopted: kept(copy, self.down.full) if adopted else copy}
         top = max(r.delivered, r.newest)
         if top > adopted:
             # The same value under a fresh number: learners that hold `adopted` rename it.
-            hist[top + 1] = copy
+            hist[top + 1] = hist[adopted]
             self.book.replay(fragment, top + 1, {})
         published[fragment] = hist
         self.down.forget(fragment)  # learners hold values from before: each gets it in full

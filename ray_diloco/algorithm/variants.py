@@ -92,12 +92,10 @@ class Anchor:
         """What an offer's wire delta (theta - its base) is added to, to hold it."""
         return current if self.own_update else base
 
-    def values(self, theta: Values, held_at: Values, g: Values) -> Values:
-        """The contribution as the merge takes it, held as `theta` while G was `held_at` and
-        merged into `g`: a base-anchored one moves with G (G plus its own update)."""
-        if not self.own_update or held_at is g:
-            return theta
-        return {k: g[k] + (theta[k] - held_at[k]) for k in theta}
+    def moved_from(self, held_at: Values, g: Values) -> Values | None:
+        """A contribution held while G was `held_at` and merged into `g`: the G it moves along
+        from (a base-anchored one is G plus its own update), or None when taken as held."""
+        return held_at if self.own_update and held_at is not g else None
 
 
 ANCHORS = {"current": Anchor(own_update=False), "base": Anchor(own_update=True)}

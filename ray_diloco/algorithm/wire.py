@@ -136,24 +136,34 @@ def encode(x: ArrayLike, dtype: WireDtype, block_size: int = 64) -> Encoded:
         if not small and not np.all(np.isfinite(bf)):
             raise ValueError("refusing to encode values that overflow bfloat16")
         return Encoded(dtype, shape, bf.view(np.uint16).astype("<u2", copy=False).tobytes(), b"")
-    wide = flat.astype(np.float64)
     if dtype == "int8":
-        q, scales = _symmetric(wide[None, :], _INT8_MAX)
+        q, scales = _symmetric(flat.astype(np.float64)[None, :], _INT8_MAX)
         return Encoded(dtype, shape, q.tobytes(), scales.astype(_F32).tobytes())
     bits, qmax = _BLOCKWISE[dtype]
     n = flat.size
-    num_blocks = _num_blocks(n, block_size)
-    padded = np.zeros(num_blocks * block_size, dtype=np.float64)
-    padded[:n] = wide  # zero padding leaves every block's absmax unchanged
-    q, scales = _symmetric(padded.reshape(num_blocks, block_size), qmax)
     per_byte = 8 // bits
-    flat_fields = np.zeros(-(-n // per_byte) * per_byte, np.uint8)  # short last byte: zeros
-    flat_fields[:n] = q.reshape(-1)[:n].astype(np.uint8) & ((1 << bits) - 1)
-    fields = flat_fields.reshape(-1, per_byte)
-    packed = np.zeros(len(fields), np.uint8)
-    for j in range(per_byte):
-        packed |= fields[:, j] << (bits * j)
-    return Encoded(dtype, shape, packed.tobytes(), scales.astype(_F32).tobytes(), block_size)
+    packed = np.empty(-(-n // per_byte), np.uint8)
+    scales = np.empty(_num_blocks(n, block_size), _F32)
+    # Blocks are independent: encode whole blocks (and bytes) a chunk at a time, so the
+    # float64 temporaries are a chunk's, not the leaf's (the synchronizer encodes fragments
+    # of gigabytes when it publishes differences).
+    whole = per_byte * block_size
+    step = max(whole, CHUNK // whole * whole)
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        blocks = _num_blocks(e - s, block_size)
+        padded = np.zeros(blocks * block_size, dtype=np.float64)
+        padded[: e - s] = flat[s:e]  # zero padding leaves every block's absmax unchanged
+        q, sc = _symmetric(padded.reshape(blocks, block_size), qmax)
+        scales[s // block_size : s // block_size + blocks] = sc
+        flat_fields = np.zeros(-(-(e - s) // per_byte) * per_byte, np.uint8)  # short last byte
+        flat_fields[: e - s] = q.reshape(-1)[: e - s].astype(np.uint8) & ((1 << bits) - 1)
+        fields = flat_fields.reshape(-1, per_byte)
+        out = packed[s // per_byte : s // per_byte + len(fields)]
+        out[...] = 0
+        for j in range(per_byte):
+            out |= fields[:, j] << (bits * j)
+    return Encoded(dtype, shape, packed.tobytes(), scales.tobytes(), block_size)
 
 
 def _checked(enc: Encoded) -> int:

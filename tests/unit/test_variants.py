@@ -7,8 +7,9 @@ from typing import get_args
 import numpy as np
 import pytest
 
-from ray_diloco.algorithm import variants
+from ray_diloco.algorithm import variants, wire
 from ray_diloco.algorithm.rounds import LATE_POLICIES
+from ray_diloco.algorithm.stream_merge import Streamed, stream_outer_gradient
 from ray_diloco.config import DilocoConfig
 
 
@@ -62,11 +63,10 @@ def test_accelerate_window_takes_one_window_of_the_merged_work() -> None:
 def test_anchors() -> None:
     g = {"w": np.array([1.0, 1.0], np.float32)}
     held_at = {"w": np.array([0.0, 0.0], np.float32)}
-    theta = {"w": np.array([0.5, -0.5], np.float32)}
     current, base = variants.ANCHORS["current"], variants.ANCHORS["base"]
-    assert current.values(theta, held_at, g) is theta
-    np.testing.assert_array_equal(base.values(theta, held_at, g)["w"], [1.5, 0.5])
-    assert base.values(theta, g, g) is theta  # held against this very G: nothing moved
+    assert current.moved_from(held_at, g) is None
+    assert base.moved_from(held_at, g) is held_at  # G moved since: the update moves with it
+    assert base.moved_from(g, g) is None  # held against this very G: nothing moved
     assert current.start(g, held_at) is held_at and base.start(g, held_at) is g
 
 
@@ -92,9 +92,11 @@ def test_accelerate_window_edges() -> None:
 def test_a_base_anchored_contribution_is_g_plus_its_own_update() -> None:
     g = {"w": np.array([1.0, 1.0], np.float32)}
     held_at = {"w": np.array([0.25, -0.5], np.float32)}
-    theta = {"w": np.array([0.5, -0.25], np.float32)}
-    moved = variants.ANCHORS["base"].values(theta, held_at, g)["w"]
-    np.testing.assert_array_equal(moved, [1.25, 1.25])
+    update = np.array([0.25, 0.25], np.float32)  # theta - held_at: the learner's own
+    moved = variants.ANCHORS["base"].moved_from(held_at, g)
+    c = Streamed({"w": wire.encode(update, "float32")}, held_at, moved)
+    ((grad, scale),) = stream_outer_gradient(g, [(c, 1.0)], method="mean").values()
+    np.testing.assert_array_equal(grad * scale, -update)  # G - (G + its own update)
 
 
 def test_variants_are_chosen_from_the_config() -> None:

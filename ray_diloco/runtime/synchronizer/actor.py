@@ -16,10 +16,12 @@ starts the shards. Progress reports and registration run in the `control` concur
 never queue behind offers (`data` group) or merges (the round thread).
 
 Object ownership: learners push offers by value (fragments are small; Ray inlines arguments
-under 100 KiB, and a larger one lives only until this method returns). `core.offer` decodes the
-delta into arrays in this process right away; the synchronizer never keeps a reference to a
-learner-owned object. Everything it keeps or sends (published fragments via `ray.put`) is owned
-by the synchronizer, so a learner's death can never take a global fragment with it.
+under 100 KiB, and a larger one lives only until this method returns). `core.offer` keeps the
+delta as the wire bytes Ray unpickled into this process (`bytes`: a copy of 0.5625 bytes a
+parameter for int4, never a view of the learner's object) until its round merges; the
+synchronizer never keeps a reference to a learner-owned object. Everything it keeps or sends
+(published fragments via `ray.put`) is owned by the synchronizer, so a learner's death can
+never take a global fragment with it.
 
 A round counts (the status's rounds, `RoundClosed`, the version mark) once a learner received its
 publication (`runtime/synchronizer/deliveries.py`). State is checkpointed with Orbax
