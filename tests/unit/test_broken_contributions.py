@@ -30,7 +30,8 @@ def _core(*overrides: str) -> SynchronizerCore:
 
 
 def _delta(core: SynchronizerCore, fragment: int = 0, size: float = 0.01) -> dict[str, np.ndarray]:
-    return {k: np.full_like(v, size) for k, v in core.snapshot()[fragment][1].items()}
+    # float32 deltas whatever the dtype the published versions are kept in (bfloat16)
+    return {k: np.full(v.shape, size, np.float32) for k, v in core.snapshot()[fragment][1].items()}
 
 
 def _meta(learner: str = "a", base: int = 0, step: int = 4, fragment: int = 0) -> ContributionMeta:
