@@ -81,6 +81,51 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.round_step=fraction",
         "diloco.outer_anchor=base",
     ],
+    # The synchronizer pulls every live learner's current value of p when p falls due on the
+    # leading learner's count (docs/algorithm.md section 5, the open question), so each
+    # learner contributes every round; only its steps between the pull and the adoption of
+    # the round's version are overwritten (none with kept unsent work).
+    "pull, K=1 + grace": ["diloco.schedule=pull"],
+    "pull, K=8": ["diloco.schedule=pull", "diloco.quorum_min=8", "diloco.grace_fraction=0"],
+    "pull, K=1 + grace, keep unsent work": ["diloco.schedule=pull", "diloco.keep_unsent_work=true"],
+    # Rounds of (nearly) every learner once a window took a smaller outer step best as K = 8
+    "pull, K=1 + grace, keep unsent work, outer lr 0.35": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "outer.lr=0.35",
+    ],
+    "pull, K=1 + grace, keep unsent work, outer lr 0.5": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "outer.lr=0.5",
+    ],
+    # Without the window a pulled round closes on the leader's answer and the others' answers
+    # make the next round: more rounds a window, fewer learners each.
+    "pull, K=1, keep unsent work": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.grace_fraction=0",
+    ],
+    # ... whose later answers, on a base up to 7 versions behind, are then merged, not refused
+    "pull, K=1, keep unsent work, staleness 8": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.grace_fraction=0",
+        "diloco.max_staleness_versions=8",
+    ],
+    "pull, K=1, staleness 8": [
+        "diloco.schedule=pull",
+        "diloco.grace_fraction=0",
+        "diloco.max_staleness_versions=8",
+    ],
+    # Pulled twice as often (H = P = 4: twice the bytes of H = 8, each learner's work merged
+    # every 4 of its steps)
+    "pull, K=1 + grace, keep unsent work, H=4": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.sync_every=4",
+        "diloco.num_fragments=4",
+    ],
 }
 
 
@@ -206,15 +251,15 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> 
 COLUMNS = ["variant", "seeds", MEASURES[0], f"{MEASURES[0]}_spread", *MEASURES[1:]]
 
 
-def earlier_runs(path: Path, rerun: set[str]) -> list[dict[str, Any]]:
-    """The runs a previous invocation wrote to `path`, but those of the variants `rerun`."""
+def earlier_runs(path: Path, rerun: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The runs a previous invocation wrote to `path`, but those (variant, seed) in `rerun`."""
     if not path.exists():
         return []
     meta = json.loads(path.read_text())["meta"]
     return [
         {**r, "evals": meta["curves"][f"{r['variant']}/{r['seed']}"]}
         for r in meta["runs"]
-        if r["variant"] not in rerun and r["variant"] in VARIANTS
+        if (r["variant"], r["seed"]) not in rerun and r["variant"] in VARIANTS
     ]
 
 
@@ -224,7 +269,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), help="a subset, by name")
     p.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
     p.add_argument(
-        "--add", action="store_true", help="keep the other variants' runs of the JSON in --out"
+        "--add",
+        action="store_true",
+        help="keep the JSON's runs (in --out) of other variants or seeds",
     )
     args = p.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -233,7 +280,8 @@ def main() -> None:
     seeds = args.seeds[:1] if args.quick else args.seeds
     jobs = [(v, VARIANTS[v], s, args.quick) for v in args.variants for s in seeds]
     name = f"{NAME}-quick" if args.quick else NAME
-    kept = earlier_runs(args.out / f"{name}.json", set(args.variants)) if args.add else []
+    rerun = {(v, s) for v, _, s, _ in jobs}
+    kept = earlier_runs(args.out / f"{name}.json", rerun) if args.add else []
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = kept + list(pool.map(run_one, jobs))
     variants = [v for v in VARIANTS if any(r["variant"] == v for r in runs)]
