@@ -44,6 +44,7 @@ MODEL = [
     "token_budget=390000",
 ]
 QUICK = ["token_budget=60000"]
+SLOW_LINK = ["links.local.bandwidth_gbps=0.01", "links.local.latency_ms=5"]
 # name -> what it changes from the config's defaults (DilocoConfig: K = 1, gamma = 0.5)
 VARIANTS: dict[str, list[str]] = {
     "K=8": ["diloco.quorum_min=8", "diloco.grace_fraction=0"],
@@ -88,17 +89,6 @@ VARIANTS: dict[str, list[str]] = {
     "pull, K=1 + grace": ["diloco.schedule=pull"],
     "pull, K=8": ["diloco.schedule=pull", "diloco.quorum_min=8", "diloco.grace_fraction=0"],
     "pull, K=1 + grace, keep unsent work": ["diloco.schedule=pull", "diloco.keep_unsent_work=true"],
-    # Rounds of (nearly) every learner once a window took a smaller outer step best as K = 8
-    "pull, K=1 + grace, keep unsent work, outer lr 0.35": [
-        "diloco.schedule=pull",
-        "diloco.keep_unsent_work=true",
-        "outer.lr=0.35",
-    ],
-    "pull, K=1 + grace, keep unsent work, outer lr 0.5": [
-        "diloco.schedule=pull",
-        "diloco.keep_unsent_work=true",
-        "outer.lr=0.5",
-    ],
     # Without the window a pulled round closes on the leader's answer and the others' answers
     # make the next round: more rounds a window, fewer learners each.
     "pull, K=1, keep unsent work": [
@@ -118,13 +108,20 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.grace_fraction=0",
         "diloco.max_staleness_versions=8",
     ],
-    # Pulled twice as often (H = P = 4: twice the bytes of H = 8, each learner's work merged
-    # every 4 of its steps)
-    "pull, K=1 + grace, keep unsent work, H=4": [
+    # Where the window pays: every learner's link carries 10 Mbps each way, shared (5 ms).
+    # One-learner rounds publish each learner's answer to all 8 (about 30 Mbps down), rounds
+    # the window fills publish a pull's answers about once (about 5 Mbps).
+    "pull, K=1, keep unsent work, staleness 8, 10 Mbps link": [
         "diloco.schedule=pull",
         "diloco.keep_unsent_work=true",
-        "diloco.sync_every=4",
-        "diloco.num_fragments=4",
+        "diloco.grace_fraction=0",
+        "diloco.max_staleness_versions=8",
+        *SLOW_LINK,
+    ],
+    "pull, K=1 + grace, keep unsent work, 10 Mbps link": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        *SLOW_LINK,
     ],
 }
 
@@ -273,6 +270,13 @@ def main() -> None:
         action="store_true",
         help="keep the JSON's runs (in --out) of other variants or seeds",
     )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="with --add: also keep the runs of these JSONs (this benchmark's, run elsewhere)",
+    )
     args = p.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
@@ -281,7 +285,12 @@ def main() -> None:
     jobs = [(v, VARIANTS[v], s, args.quick) for v in args.variants for s in seeds]
     name = f"{NAME}-quick" if args.quick else NAME
     rerun = {(v, s) for v, _, s, _ in jobs}
-    kept = earlier_runs(args.out / f"{name}.json", rerun) if args.add else []
+    sources = [args.out / f"{name}.json", *args.merge] if args.add else []
+    # one run of a (variant, seed): the first source's
+    found = {
+        (r["variant"], r["seed"]): r for path in sources[::-1] for r in earlier_runs(path, rerun)
+    }
+    kept = list(found.values())
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = kept + list(pool.map(run_one, jobs))
     variants = [v for v in VARIANTS if any(r["variant"] == v for r in runs)]
