@@ -3,12 +3,15 @@
 on every step, over 100 outer steps per fragment, 3 seeds, with a model and batch small enough
 that a run takes a minute on one core. Rounds of every learner (K = 8), of whoever comes first
 (K = 1), K = 1 with the adaptive grace window (the config's default), and the reference job
-file's rounds (K = 2, no grace), each reporting the held-out loss, goodput of merged work on
-the virtual clock (`goodput_merged`: step time whose work reached the global model over
-allocated time) beside today's goodput, learners merged a round and the merged share of each
-speed class (tokens of its work that reached the global model over tokens it trained).
+file's rounds (K = 2, no grace), the same rules with the synchronizer pulling every live
+learner's fragment (`diloco.schedule: pull`), with and without kept unsent work, and on a slow
+link; each reporting the held-out loss, goodput of merged work on the virtual clock
+(`goodput_merged`: step time whose work reached the global model over allocated time) beside
+today's goodput, learners merged a round and the merged share of each speed class (tokens of
+its work that reached the global model over tokens it trained).
 
-    python benchmarks/heterogeneous.py --jobs 2   # every variant and seed (~25 min, 2 busy cores)
+    python benchmarks/heterogeneous.py --jobs 2   # every variant and seed (~1 h, 2 busy cores)
+    python benchmarks/heterogeneous.py --jobs 2 --add --variants 'pull, K=8' --seeds 1 2
     python benchmarks/heterogeneous.py --quick    # one seed, a short budget: a smoke check
 """
 
