@@ -3,12 +3,15 @@
 on every step, over 100 outer steps per fragment, 3 seeds, with a model and batch small enough
 that a run takes a minute on one core. Rounds of every learner (K = 8), of whoever comes first
 (K = 1), K = 1 with the adaptive grace window (the config's default), and the reference job
-file's rounds (K = 2, no grace), each reporting the held-out loss, goodput of merged work on
-the virtual clock (`goodput_merged`: step time whose work reached the global model over
-allocated time) beside today's goodput, learners merged a round and the merged share of each
-speed class (tokens of its work that reached the global model over tokens it trained).
+file's rounds (K = 2, no grace), the same rules with the synchronizer pulling every live
+learner's fragment (`diloco.schedule: pull`), with and without kept unsent work, and on a slow
+link; each reporting the held-out loss, goodput of merged work on the virtual clock
+(`goodput_merged`: step time whose work reached the global model over allocated time) beside
+today's goodput, learners merged a round and the merged share of each speed class (tokens of
+its work that reached the global model over tokens it trained).
 
-    python benchmarks/heterogeneous.py --jobs 2   # every variant and seed (~25 min, 2 busy cores)
+    python benchmarks/heterogeneous.py --jobs 2   # every variant and seed (~1 h, 2 busy cores)
+    python benchmarks/heterogeneous.py --jobs 2 --add --variants 'pull, K=8' --seeds 1 2
     python benchmarks/heterogeneous.py --quick    # one seed, a short budget: a smoke check
 """
 
@@ -44,6 +47,7 @@ MODEL = [
     "token_budget=390000",
 ]
 QUICK = ["token_budget=60000"]
+SLOW_LINK = ["links.local.bandwidth_gbps=0.01", "links.local.latency_ms=5"]
 # name -> what it changes from the config's defaults (DilocoConfig: K = 1, gamma = 0.5)
 VARIANTS: dict[str, list[str]] = {
     "K=8": ["diloco.quorum_min=8", "diloco.grace_fraction=0"],
@@ -80,6 +84,47 @@ VARIANTS: dict[str, list[str]] = {
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
         "diloco.outer_anchor=base",
+    ],
+    # The synchronizer pulls every live learner's current value of p when p falls due on the
+    # leading learner's count (docs/algorithm.md section 5, the open question), so each
+    # learner contributes every round; only its steps between the pull and the adoption of
+    # the round's version are overwritten (none with kept unsent work).
+    "pull, K=1 + grace": ["diloco.schedule=pull"],
+    "pull, K=8": ["diloco.schedule=pull", "diloco.quorum_min=8", "diloco.grace_fraction=0"],
+    "pull, K=1 + grace, keep unsent work": ["diloco.schedule=pull", "diloco.keep_unsent_work=true"],
+    # Without the window a pulled round closes on the leader's answer and the others' answers
+    # make the next round: more rounds a window, fewer learners each.
+    "pull, K=1, keep unsent work": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.grace_fraction=0",
+    ],
+    # ... whose later answers, on a base up to 7 versions behind, are then merged, not refused
+    "pull, K=1, keep unsent work, staleness 8": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.grace_fraction=0",
+        "diloco.max_staleness_versions=8",
+    ],
+    "pull, K=1, staleness 8": [
+        "diloco.schedule=pull",
+        "diloco.grace_fraction=0",
+        "diloco.max_staleness_versions=8",
+    ],
+    # Where the window pays: every learner's link carries 10 Mbps each way, shared (5 ms).
+    # One-learner rounds publish each learner's answer to all 8 (about 30 Mbps down), rounds
+    # the window fills publish a pull's answers about once (about 5 Mbps).
+    "pull, K=1, keep unsent work, staleness 8, 10 Mbps link": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.grace_fraction=0",
+        "diloco.max_staleness_versions=8",
+        *SLOW_LINK,
+    ],
+    "pull, K=1 + grace, keep unsent work, 10 Mbps link": [
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        *SLOW_LINK,
     ],
 }
 
@@ -206,15 +251,15 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> 
 COLUMNS = ["variant", "seeds", MEASURES[0], f"{MEASURES[0]}_spread", *MEASURES[1:]]
 
 
-def earlier_runs(path: Path, rerun: set[str]) -> list[dict[str, Any]]:
-    """The runs a previous invocation wrote to `path`, but those of the variants `rerun`."""
+def earlier_runs(path: Path, rerun: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The runs a previous invocation wrote to `path`, but those (variant, seed) in `rerun`."""
     if not path.exists():
         return []
     meta = json.loads(path.read_text())["meta"]
     return [
         {**r, "evals": meta["curves"][f"{r['variant']}/{r['seed']}"]}
         for r in meta["runs"]
-        if r["variant"] not in rerun and r["variant"] in VARIANTS
+        if (r["variant"], r["seed"]) not in rerun and r["variant"] in VARIANTS
     ]
 
 
@@ -224,7 +269,16 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), help="a subset, by name")
     p.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
     p.add_argument(
-        "--add", action="store_true", help="keep the other variants' runs of the JSON in --out"
+        "--add",
+        action="store_true",
+        help="keep the JSON's runs (in --out) of other variants or seeds",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="with --add: also keep the runs of these JSONs (this benchmark's, run elsewhere)",
     )
     args = p.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -233,7 +287,13 @@ def main() -> None:
     seeds = args.seeds[:1] if args.quick else args.seeds
     jobs = [(v, VARIANTS[v], s, args.quick) for v in args.variants for s in seeds]
     name = f"{NAME}-quick" if args.quick else NAME
-    kept = earlier_runs(args.out / f"{name}.json", set(args.variants)) if args.add else []
+    rerun = {(v, s) for v, _, s, _ in jobs}
+    sources = [args.out / f"{name}.json", *args.merge] if args.add else []
+    # one run of a (variant, seed): the first source's
+    found = {
+        (r["variant"], r["seed"]): r for path in sources[::-1] for r in earlier_runs(path, rerun)
+    }
+    kept = list(found.values())
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = kept + list(pool.map(run_one, jobs))
     variants = [v for v in VARIANTS if any(r["variant"] == v for r in runs)]

@@ -204,6 +204,10 @@ class LearnerCore:
         d = cfg.diloco
         self._take = self._carry_over if d.keep_unsent_work else self._mix_in
         self._hold_to_overlap = d.mode == "synchronous" or d.apply_at == "overlap"
+        # `schedule: pull`: the fragments the synchronizer pulled, offered at the next step
+        # boundary in place of those due on this learner's own count.
+        self._pulled = d.schedule == "pull"
+        self.requested: set[int] = set()
         self.adopt(snapshot)
         self.opt_state = self._fresh_opt_state()
         self.outstanding: dict[int, tuple[int, int]] = {}  # p -> (step offered, base version)
@@ -387,11 +391,23 @@ class LearnerCore:
         self.begin_offers()
         return self.collect_offers()
 
+    def pull(self, fragments: Sequence[int]) -> None:
+        """The synchronizer pulls `fragments` (`schedule: pull`): offered at the next step
+        boundary, each from the work since its base."""
+        self.requested.update(fragments)
+
     def begin_offers(self) -> None:
-        """Start the host copies of each fragment due at the current step (its leaves only);
-        `collect_offers` finishes them, typically while the next step runs."""
+        """Start the host copies of each fragment due at the current step (its leaves only):
+        due on this learner's count, or pulled (`schedule: pull`; one with no step since its
+        base has nothing to offer). `collect_offers` finishes them, typically while the next
+        step runs."""
         d = self.cfg.diloco
-        for p in due_fragments(self.step, d.sync_every, d.num_fragments):
+        if self._pulled:
+            due = sorted(p for p in self.requested if self.steps_since[p])
+            self.requested.clear()
+        else:
+            due = due_fragments(self.step, d.sync_every, d.num_fragments)
+        for p in due:
             self._begin(p)
 
     def collect_offers(self) -> list[Offer]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ray_diloco.algorithm.fragments import fragment_offset
 from ray_diloco.config import DilocoConfig
 
 Values = dict[str, np.ndarray]
@@ -115,6 +116,50 @@ def to_contributors(merged: set[str], live: Iterable[str]) -> list[str]:
 
 
 PUBLISH_TO: dict[str, Recipients] = {"all": to_all, "contributors": to_contributors}
+
+
+class OwnCount:
+    """`schedule: offer`: each learner offers fragment p when p falls due on its own step count
+    (docs/algorithm.md section 4); the synchronizer asks for nothing."""
+
+    def reported(self, step: int) -> list[int]:
+        return []
+
+
+class PullClock:
+    """`schedule: pull` (docs/algorithm.md section 5, the open question): learners report their
+    step every step, and when fragment p falls due on the count of the learner furthest ahead
+    (the first to report a due step of p past the last pull) the synchronizer pulls p's current
+    value from every live learner. Each then contributes every round, whatever its speed: the
+    slower ones with fewer steps, weighted by their tokens."""
+
+    def __init__(self, sync_every: int, num_fragments: int, fragments: Iterable[int]) -> None:
+        self.sync_every = sync_every
+        self.offsets = {p: fragment_offset(p, sync_every, num_fragments) for p in fragments}
+        self.next = {p: self._after(p, 0) for p in self.offsets}
+
+    def _after(self, p: int, step: int) -> int:
+        """The first step after `step` at which p is due: `(s + offset_p) % H == 0`."""
+        return step + self.sync_every - (step + self.offsets[p]) % self.sync_every
+
+    def reported(self, step: int) -> list[int]:
+        """A learner completed `step` inner steps: the fragments to pull now, ascending."""
+        due = sorted(p for p, s in self.next.items() if step >= s)
+        for p in due:
+            self.next[p] = self._after(p, step)
+        return due
+
+
+Schedule = OwnCount | PullClock
+SCHEDULES: dict[str, Callable[[DilocoConfig, Iterable[int]], Schedule]] = {
+    "offer": lambda d, fragments: OwnCount(),
+    "pull": lambda d, fragments: PullClock(d.sync_every, d.num_fragments, fragments),
+}
+
+
+def schedule(d: DilocoConfig, fragments: Iterable[int]) -> Schedule:
+    """The synchronizer's side of `diloco.schedule` for the fragments it owns."""
+    return SCHEDULES[d.schedule](d, fragments)
 
 
 @dataclass(frozen=True)

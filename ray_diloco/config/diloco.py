@@ -21,6 +21,11 @@ class DilocoConfig(_Frozen):
     sync_every: int = Field(24, ge=1, description="H: inner steps between two syncs of a fragment")
     num_fragments: int = Field(24, ge=1, description="P: fragments the parameters are cut into")
     overlap_steps: int = Field(2, ge=0, description="tau: steps a sync may take before it is due")
+    schedule: Literal["offer", "pull"] = Field(
+        "offer",
+        description="who times a sync: each learner on its own step count, or the synchronizer "
+        "pulling every live learner when the fragment falls due on the leading one's",
+    )
     quorum_min: int = Field(1, ge=1, description="K: fewest learners a round merges")
     grace_fraction: float = Field(
         0.5, ge=0, lt=1, description="gamma: share of the slowest learner's slack the round waits"

@@ -326,6 +326,11 @@ class RunConfig(_Frozen):
                 f"diloco.overlap_steps={d.overlap_steps} must be < diloco.sync_every="
                 f"{d.sync_every} so a fragment returns before it is due again"
             )
+        if d.schedule == "pull" and d.mode != "decoupled":
+            raise ValueError(
+                f"diloco.schedule=pull needs diloco.mode=decoupled, not {d.mode!r}: a "
+                "synchronous learner blocks on the fragments it offers on its own count"
+            )
         known = set(names)
         for change in sorted(self.elastic.schedule, key=lambda c: c.at_s):
             if change.join is not None:

@@ -90,6 +90,11 @@ def run_training(
     this config in `run_dir` resumes (`resume` insists on it); a finished run or another
     config's raises a ConfigError unless `overwrite` (`control/run_dir.py`)."""
     check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
+    if cfg.diloco.schedule == "pull":  # the synchronizer actor does not pull (docs/rounds.md)
+        raise ConfigError(
+            "diloco.schedule=pull: pulled rounds run in process only (ray-diloco simulate); "
+            "the Ray runtime's learners offer on their own count: set diloco.schedule=offer"
+        )
     run_dir = Path(cfg.run_dir).absolute()
     # What needs no config digest is refused before Ray starts (a finished run, nothing to
     # resume); the digest is the fitted config's, known once the task was built (below).

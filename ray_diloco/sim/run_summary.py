@@ -23,7 +23,9 @@ def lost_fraction(sync: SynchronizerCore) -> float:
     """Share of trained tokens whose contribution was fenced or dropped by a guard: work that
     never reaches the global model (docs/algorithm.md section 9, "work lost"). The tau overlap steps
     that an overwrite (mixing_alpha = 0) replaces are the merge rule, not lost time."""
-    trained = sync.ledger.tokens_trained
+    # A contribution carries the tokens of its steps on one fragment: the work lost is its
+    # tokens over those trained on every fragment (equal-sized fragments, as `merged_share`).
+    trained = sync.ledger.tokens_trained * len(sync.owned)
     return sync.rejected_tokens / trained if trained else 0.0
 
 

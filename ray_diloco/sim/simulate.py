@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_diloco.algorithm import links
+from ray_diloco.algorithm import links, variants
 from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.learner_core import LearnerCore
 from ray_diloco.algorithm.pacing import StepClock
@@ -126,6 +126,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
     setup = sim.setup
     cfg = setup.cfg
     sync = SynchronizerCore(cfg, setup.plan, setup.init)
+    schedule = variants.schedule(cfg.diloco, sync.owned)
     polls: set[float] = set()
     wan = links.LinkEmulator(cfg.links)
     round_times: list[float] = []
@@ -197,6 +198,20 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
         dt = ln.clock.next()
         sim.push(t + dt, "step", (i, dt, ln.epoch))
 
+    def pull(i: int, t: float) -> None:
+        """Learner i reported its step at `t`: pull each fragment that falls due on its count
+        from every live learner (`schedule: pull`); the request goes down each one's link
+        (i itself offers at this step boundary)."""
+        due = schedule.reported(learners[i].core.step)
+        if not due:
+            return
+        for name in sorted(sync.book.live(t)):
+            j = index[name]
+            if j == i:
+                learners[i].core.pull(due)
+            else:
+                sim.push(wan.arrival(learners[j].cfg.region, "down", 0, t), "pull", (j, due))
+
     def offer(ln: _Learner, offers: list[Any], t: float) -> None:
         for meta, delta in offers:
             nbytes = sum(e.nbytes for e in delta.values())
@@ -215,6 +230,7 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
             core.train_step(*core.next_batch())
             leases = sync.report(ln.cfg.name, core.incarnation, now, dt, core.cursor)
             core.reader.add(leases or [])
+            pull(i, now)
             offer(ln, core.offers(), now)
             step_boundary(i, now)
         elif kind == "arrive" and sim.down(now):
@@ -226,6 +242,10 @@ def _run_diloco(sim: _Sim) -> dict[str, Any]:
                 sync.sent(meta.learner, newest.nbytes)
                 send(index[meta.learner], [newest], now)
             close_rounds(now)
+        elif kind == "pull":
+            j, due = payload
+            if learners[j].alive and not learners[j].left:
+                learners[j].core.pull(due)
         elif kind == "poll":
             polls.discard(now)
             close_rounds(now)

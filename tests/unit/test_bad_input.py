@@ -50,6 +50,7 @@ CASES = {
         (["--config", "conf.yaml"], "config file conf.yaml is a directory"),
         (["--set", "token_budget=1e-3"], "invalid configuration"),
         (["--address", NO_CLUSTER], f"no Ray cluster at {NO_CLUSTER}"),
+        (["--set", "diloco.schedule=pull"], "diloco.schedule=pull: pulled rounds run in process"),
     ],
     "simulate": [
         (["--config", "bad.yaml"], "bad.yaml: not valid YAML"),

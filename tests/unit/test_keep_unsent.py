@@ -101,3 +101,17 @@ def test_a_new_version_waits_for_the_overlap_only_when_asked(setup: Setup, apply
     g = {k: v + 0.5 for k, v in core.base_values[q].items()}
     core.receive(Message(q, 1, None, wire.encode_tree(g, "bfloat16")))
     assert core.apply_received() == [q]
+
+
+def test_a_pulled_learner_offers_what_is_pulled_not_what_falls_due_on_its_own_count(
+    setup: Setup,
+):
+    core = _learner(setup, False, "diloco.schedule=pull")
+    _train(core, 4)  # TINY: H = 4, P = 2: fragment 0 falls due on its count at step 4
+    assert core.offers() == []
+    core.pull([1])  # the request arrives during step 5: offered at its boundary
+    _train(core, 1)
+    [(meta, _)] = core.offers()
+    assert (meta.fragment, meta.num_steps, meta.base_version) == (1, 5, 0)
+    _train(core, 1)
+    assert core.offers() == []  # a pull is answered once

@@ -10,6 +10,7 @@ from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
 from ray_diloco.algorithm.setup import Setup
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
+from ray_diloco.sim.run_summary import lost_fraction
 from ray_diloco.sim.simulate import run_reference
 from tests.sync_helpers import resume_without_learners
 
@@ -61,6 +62,25 @@ def test_decoupled_run_learns_and_keeps_the_ledger(decoupled):
     # the slow learner took fewer steps than the fast ones: nobody waited for it
     steps = {k: v["inner_steps"] for k, v in decoupled["learners"].items()}
     assert steps["learner-2"] < steps["learner-0"]
+
+
+def test_pulled_rounds_merge_every_learners_work(decoupled):
+    # `schedule: pull`: every live learner is asked for p when it falls due on the leading
+    # learner's count; kept unsent work carries the steps between its answer and the new
+    # version into its next answer. Offering on its own count, no learner merges 0.6 of it.
+    s = run_reference(
+        tiny(
+            "learners.2.speed=0.7",
+            "learners.3.jitter=0.2",
+            "diloco.schedule=pull",
+            "diloco.keep_unsent_work=true",
+        )
+    )
+    assert s["ledger_violations"] == [] and s["rejected"] == {}
+    assert max(v["merged_share"] for v in decoupled["learners"].values()) < 0.6
+    assert all(v["merged_share"] > 0.85 for v in s["learners"].values())
+    assert s["mean_contributors"] > decoupled["mean_contributors"]
+    assert s["evals"][-1]["heldout_loss"] < s["evals"][0]["heldout_loss"] - 0.3
 
 
 def test_synchronous_rounds_have_every_learner():
@@ -165,6 +185,18 @@ def test_merged_share_is_the_work_that_reached_the_global_model():
     core.poll(now=10.0)
     # half of its 1024 tokens merged into one of the 4 fragments
     assert core.merged_shares() == {"learner-0": pytest.approx(512 / (4 * 1024))}
+
+
+def test_work_lost_is_the_refused_tokens_share_of_every_fragments_work():
+    _, setup, core = _core()
+    core.register("learner-0", 0, now=0.0)
+    core.report("learner-0", 0, now=0.0, step_time_s=1.0, cursor=1024)
+    paths = setup.plan.fragments[0]
+    zeros = {k: np.zeros_like(np.asarray(setup.init[k])) for k in paths}
+    future = ContributionMeta("learner-0", 0, 0, 7, 4, 4, 512)
+    assert core.offer(future, wire.encode_tree(zeros, "float32"), 0.0) is Verdict.FUTURE_VERSION
+    # 512 tokens of work on one of 4 fragments of 1024 trained tokens: an eighth of its work
+    assert lost_fraction(core) == pytest.approx(512 / (4 * 1024))
 
 
 def test_sync_core_state_round_trips():

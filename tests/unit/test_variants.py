@@ -21,6 +21,7 @@ from ray_diloco.config import DilocoConfig
         ("outer_anchor", variants.ANCHORS),
         ("publish_to", variants.PUBLISH_TO),
         ("late_policy", LATE_POLICIES),
+        ("schedule", variants.SCHEDULES),
     ],
 )
 def test_every_config_choice_has_its_rule(field: str, table: dict) -> None:
@@ -107,3 +108,34 @@ def test_variants_are_chosen_from_the_config() -> None:
     assert v.round_step is variants.step_fraction and v.accelerate is variants.accelerate_all
     assert v.anchor is variants.ANCHORS["base"] and v.recipients is variants.to_contributors
     assert variants.scaled({"a": 2.0, "b": 4.0}, 0.5) == {"a": 1.0, "b": 2.0}
+
+
+def test_the_pull_clock_pulls_each_fragment_once_a_window_on_the_leading_count():
+    # H = P = 8: fragment p is due where (step + p) % 8 == 0, fragment 7 first at step 1
+    clock = variants.PullClock(8, 8, range(8))
+    assert [clock.reported(step) for step in range(1, 8)] == [[7], [6], [5], [4], [3], [2], [1]]
+    assert clock.reported(7) == []  # a second learner at the same step: pulled already
+    assert clock.reported(5) == []  # one behind: the leader pulled its fragments already
+    assert clock.reported(8) == [0]
+    assert clock.reported(9) == [7]  # fragment 7's next window
+    # a leader that skipped steps (its reports were lost) pulls all that fell due meanwhile,
+    # each then next due after the step it reported
+    assert clock.reported(18) == list(range(8))
+    assert clock.next[0] == 24 and clock.next[6] == 26 and clock.next[7] == 25
+
+
+def test_a_shard_pulls_only_its_own_fragments():
+    clock = variants.PullClock(8, 4, [1, 3])  # offsets 2 and 6: due at 6 and 2 (mod 8)
+    assert clock.reported(2) == [3]
+    assert clock.reported(4) == []  # fragment 2 is due here, on another shard
+    assert clock.reported(6) == [1]
+    assert clock.reported(8) == []  # fragment 0 is due here, on another shard
+    assert clock.reported(10) == [3]
+
+
+def test_offers_on_its_own_count_pull_nothing():
+    d = DilocoConfig()
+    assert isinstance(variants.schedule(d, range(24)), variants.OwnCount)
+    assert variants.schedule(d, range(24)).reported(24) == []
+    pulled = variants.schedule(DilocoConfig(schedule="pull"), range(24))
+    assert pulled.reported(1) == [23]  # offset 23: due at step 1
