@@ -68,6 +68,8 @@ class ReportReply:
     ok: bool  # False: this incarnation is fenced, or the shard restarted and wants it back
     stop: bool  # the token budget is spent
     leases: list[Lease] = field(default_factory=list)  # data added to its supply
+    # `diloco.schedule: pull`: fragments the synchronizer pulls, to offer at the next step
+    pull: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

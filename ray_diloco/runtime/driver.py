@@ -90,10 +90,13 @@ def run_training(
     this config in `run_dir` resumes (`resume` insists on it); a finished run or another
     config's raises a ConfigError unless `overwrite` (`control/run_dir.py`)."""
     check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
-    if cfg.diloco.schedule == "pull":  # the synchronizer actor does not pull (docs/rounds.md)
+    spanning = [lg.name for lg in cfg.learners if lg.num_hosts > 1]
+    if cfg.diloco.schedule == "pull" and spanning:
+        # A pull reaches the learner's host 0 only; its other hosts would not join the
+        # gather of a pulled fragment's sharded leaves (fragments fall due by step count).
         raise ConfigError(
-            "diloco.schedule=pull: pulled rounds run in process only (ray-diloco simulate); "
-            "the Ray runtime's learners offer on their own count: set diloco.schedule=offer"
+            f"diloco.schedule=pull: learners {spanning} span several hosts, which pulled "
+            "rounds do not support on Ray yet; set diloco.schedule=offer or use one host"
         )
     run_dir = Path(cfg.run_dir).absolute()
     # What needs no config digest is refused before Ray starts (a finished run, nothing to

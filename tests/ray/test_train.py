@@ -99,11 +99,16 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
 ) -> None:
     # Publications go down as 4-bit differences (downstream.py): the learners' copies must
     # stay the synchronizer's, however Ray orders the messages, or the run would not converge.
+    # Rounds are pulled (`diloco.schedule: pull`, decision 022) and unsent work is kept: the
+    # half-speed learner's work is merged like the other's, whatever the machine's load.
     cfg = tiny(
         tmp_path,
         "decoupled",
         "diloco.mode=decoupled",
         "diloco.publish_delta=int4",
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.grace_fraction=0",
         "token_budget=40000",
         "learners.1.speed=0.5",
         "learners.1.jitter=0.2",
@@ -123,8 +128,8 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
     assert summary["heldout_loss"] < evals[0] - 0.5, evals
     assert summary["tokens"] >= 40000 and summary["rounds"] > 0
     assert summary["ledger_violations"] == []
-    merged = {k: v["contributions_merged"] for k, v in summary["learners"].items()}
-    assert all(n > 0 for n in merged.values()), merged
+    shares = {k: v["merged_share"] for k, v in summary["learners"].items()}
+    assert all(share >= 0.8 for share in shares.values()), shares
     # The slow learner stepped slower and nobody waited for it. Per second of training: in
     # total steps the learner that compiled first, seconds ahead on a busy machine, can win
     # (CI: a 122 steps, b 202).

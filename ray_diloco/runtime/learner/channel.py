@@ -233,6 +233,7 @@ class SyncChannel:
                 self._rejoin(core, stop, shard)
             else:
                 self._leases.extend(reply.leases)
+                core.pull(reply.pull)
 
     def take_leases(self) -> list[tuple[int, int, int]]:
         """Leases the synchronizer added since the last call, for the next step boundary."""

@@ -78,7 +78,7 @@ class Synchronizer:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
         # JAX-using modules are imported here, not at module level: the driver imports this
         # module to create the actor and must not need JAX.
-        from ray_diloco.algorithm import links, sync_core
+        from ray_diloco.algorithm import links, sync_core, variants
         from ray_diloco.algorithm.setup import Setup
         from ray_diloco.algorithm.shards import assign_fragments
 
@@ -93,6 +93,10 @@ class Synchronizer:
             cfg, self.setup.plan, self.setup.init, owned, owns_data=shard == 0
         )
         self.setup.init = {}  # the core copied its fragments; the rest would only take memory
+        # `diloco.schedule`: which of this shard's fragments a learner's report makes due
+        # for every live learner (pull), and what each learner has not been told yet.
+        self.schedule = variants.schedule(cfg.diloco, self.core.owned)
+        self.pulls: dict[str, set[int]] = {}
         self.journal = Journal()
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics, cfg.name)
         self.started_at = time.time()  # a new value tells watchers the actor was restarted
@@ -227,8 +231,14 @@ class Synchronizer:
             if leases is not None:
                 self.core.ledger.record_dropped(learner, dropped)
             ok = leases is not None
+            pull: list[int] = []
             if ok:
                 self.journal.progress(learner, step, cursor, loss, step_time_s)
+                due = self.schedule.reported(step)
+                if due:
+                    for name in self.core.book.live(self._now()) | {learner}:
+                        self.pulls.setdefault(name, set()).update(due)
+                pull = sorted(self.pulls.pop(learner, ()))
             if leases:
                 self._mark_leases()
             tokens = self.core.ledger.tokens_trained
@@ -237,7 +247,7 @@ class Synchronizer:
                 self.finished.set()
                 logger.info("token budget reached (%d tokens)", tokens)
             granted = [lease.as_tuple() for lease in leases or []]
-            return ReportReply(ok, stop=self.finished.is_set(), leases=granted)
+            return ReportReply(ok, stop=self.finished.is_set(), leases=granted, pull=pull)
 
     @ray.method(concurrency_group="control")
     def status(self, since_event: int = 0) -> SynchronizerStatus:
