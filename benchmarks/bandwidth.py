@@ -35,7 +35,15 @@ from ray_diloco.algorithm.wire import wire_bytes
 from ray_diloco.config import load_config
 from ray_diloco.sim.simulate import run_reference
 
-from common import GRACE, QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
+from common import (
+    GRACE,
+    OFFERS_K2,
+    QUICK_MODEL,
+    REFERENCE,
+    cache_compilations,
+    parser,
+    write_results,
+)
 
 CONFIG = REFERENCE
 QUICK = QUICK_MODEL
@@ -45,10 +53,13 @@ WAN = [f"learners.{i}.{k}" for i in range(4) for k in ("region=wan", "speed=1", 
 MODES = {
     "data_parallel": ["diloco.mode=data_parallel"],
     "synchronous": ["diloco.mode=synchronous"],
-    "decoupled": [],
-    # the 4-learner jobs' earlier default: K = 1 with the grace window
-    "decoupled K=1": ["diloco.quorum_min=1", *GRACE],
-    "decoupled, publish to contributors": ["diloco.publish_to=contributors"],
+    # the job files' rule before pulled rounds: learners' own offers, K = 2 without the window
+    "decoupled": OFFERS_K2,
+    # the rule before that: K = 1 with the grace window
+    "decoupled K=1": [*OFFERS_K2, "diloco.quorum_min=1", *GRACE],
+    "decoupled, publish to contributors": [*OFFERS_K2, "diloco.publish_to=contributors"],
+    # the config's defaults: rounds pulled by the synchronizer, K = 1, unsent work kept
+    "decoupled, pulled (default)": [],
 }
 # wire label -> (upstream dtype, publish_delta)
 WIRES = {
@@ -63,6 +74,7 @@ H24 = {
     "decoupled": ["bfloat16", "int4 up", "int4 both ways", "int2 both ways"],
     "decoupled K=1": ["int4 both ways"],
     "decoupled, publish to contributors": ["bfloat16", "int4 both ways"],
+    "decoupled, pulled (default)": ["int4 both ways"],
 }
 # --quick (a smoke check of every path, for the test suite): fewer rows.
 QUICK_ROWS = {"data_parallel": ["float32"], "decoupled": ["bfloat16", "int4 both ways"]}

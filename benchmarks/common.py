@@ -32,9 +32,13 @@ QUICK_MODEL = [
 # The quality benchmarks' variants start from docs/algorithm.md as written (every learner receives
 # every round, a round steps in full, a new version overwrites the learner's values, bfloat16
 # both ways, K = 1 with the grace window) and name what they change.
-GRACE = ["diloco.grace_fraction=0.5"]  # docs/algorithm.md's grace window (DilocoConfig's default)
+GRACE = ["diloco.grace_fraction=0.5"]  # docs/algorithm.md's grace window
 NO_GRACE = ["diloco.grace_fraction=0"]
+# Learners offering on their own count with bases at most 4 versions behind, as every quality row
+# was measured before pulled rounds became the config's default.
+OFFERS = ["diloco.schedule=offer", "diloco.max_staleness_versions=4"]
 AS_WRITTEN = [
+    *OFFERS,
     "diloco.quorum_min=1",
     *GRACE,
     "diloco.wire_dtype=bfloat16",
@@ -55,12 +59,17 @@ def both_ways(bits: str) -> list[str]:
 
 
 # On top of AS_WRITTEN: the mix on 4 bits both ways, with a quorum of two. Without the grace
-# window (K2 + NO_GRACE) it is the 4-learner job files' default.
+# window (K2 + NO_GRACE) it was the 4-learner job files' rule before pulled rounds.
 K2 = [*MIX, *both_ways("int4"), "diloco.quorum_min=2"]
+# That rule whole, on top of the config's defaults (the rows that measured it as "decoupled").
+OFFERS_K2 = [*OFFERS, "diloco.quorum_min=2", *NO_GRACE, "diloco.keep_unsent_work=false"]
+# The config's default as the quality and heterogeneous benchmarks name it: rounds pulled by the
+# synchronizer, K = 1 without the window, unsent work kept, bases up to 8 versions behind.
+PULLED = "default: pulled, K=1, kept unsent work"
 
 # Row names quality.py and quality_horizon.py share; the rows keep the names they were measured
-# under, as the committed JSON holds them (f"{DEFAULT_K2}, no grace" is the config's default;
-# docs/decisions/ say how each earlier one led to it).
+# under, as the committed JSON holds them (f"{DEFAULT_K2}, no grace" was the job files' rule
+# before PULLED; docs/decisions/ say how each earlier one led to it).
 FRACTION_STEP = "decoupled K=1 grace, fraction step"
 DEFAULT = "decoupled K=1 grace, sqrt step"
 DEFAULT_ROW = f"{DEFAULT}, mixing alpha 0.25"

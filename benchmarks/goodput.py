@@ -30,7 +30,15 @@ from ray_diloco.config import load_config
 from ray_diloco.sim.figures import save_figure
 from ray_diloco.sim.simulate import run_reference
 
-from common import GRACE, QUICK_MODEL, REFERENCE, cache_compilations, parser, write_results
+from common import (
+    GRACE,
+    OFFERS_K2,
+    QUICK_MODEL,
+    REFERENCE,
+    cache_compilations,
+    parser,
+    write_results,
+)
 
 CONFIG = REFERENCE
 QUICK = [*QUICK_MODEL, "token_budget=40000"]
@@ -39,16 +47,21 @@ INTENSITIES = {"none": None, "moderate": 1000 * STEP_S, "aggressive": 200 * STEP
 # Three schedules: on one (seed 7) decoupled beat data-parallel to the target by 0.1% of loss
 # under aggressive failures, too close to rest on one schedule.
 CHAOS_SEEDS = (7, 8, 9)
-# mode -> its overrides. `decoupled` takes the config's K = 2 without the grace window (the
-# default); `decoupled, grace` adds the window back, and `decoupled K=1` (with the window) is
-# the earlier default.
+# mode -> its overrides. `decoupled` is the job files' rule before pulled rounds (learners'
+# own offers, K = 2 without the grace window); `decoupled, grace` adds the window back, and
+# `decoupled K=1` (with the window) is the rule before that.
 MODES = {
-    "decoupled": ["diloco.mode=decoupled"],
-    "decoupled, grace": ["diloco.mode=decoupled", *GRACE],
-    "decoupled K=1": ["diloco.mode=decoupled", "diloco.quorum_min=1", *GRACE],
+    "decoupled": ["diloco.mode=decoupled", *OFFERS_K2],
+    "decoupled, grace": ["diloco.mode=decoupled", *OFFERS_K2, *GRACE],
+    "decoupled K=1": ["diloco.mode=decoupled", *OFFERS_K2, "diloco.quorum_min=1", *GRACE],
+    # the config's defaults: rounds pulled by the synchronizer, K = 1, unsent work kept
+    "decoupled, pulled (default)": ["diloco.mode=decoupled"],
     "synchronous": ["diloco.mode=synchronous"],
     "data_parallel": ["diloco.mode=data_parallel"],
 }
+# --quick (a smoke check of every path, for the test suite): the window's two rows are the
+# offer rule's paths again.
+QUICK_MODES = ("decoupled", "decoupled, pulled (default)", "synchronous", "data_parallel")
 
 
 def mtbf_s(intensity: str, quick: bool) -> float | None:
@@ -82,11 +95,22 @@ def time_to(evals: list[dict[str, float]], target: float) -> float | None:
 
 Key = tuple[str, str, int | None]  # mode, failure rate, chaos seed (None: no failures)
 # The decoupled modes end close together: a line style each keeps them apart.
-STYLES = {"decoupled": "-", "decoupled, grace": "--", "decoupled K=1": ":"}
+STYLES = {
+    "decoupled": "-",
+    "decoupled, grace": "--",
+    "decoupled K=1": ":",
+    "decoupled, pulled (default)": "-.",
+}
 
 
 def plot(
-    results: dict[Key, dict[str, Any]], seed: int, target: float, out: Path, name: str, quick: bool
+    results: dict[Key, dict[str, Any]],
+    modes: list[str],
+    seed: int,
+    target: float,
+    out: Path,
+    name: str,
+    quick: bool,
 ) -> None:
     fig = Figure(figsize=(12, 4.6))
     ax_loss, ax_good = fig.subplots(1, 2)
@@ -108,7 +132,7 @@ def plot(
     ax_loss.set_title(f"aggressive failures, chaos seed {seed}", fontsize=9)
     ax_loss.legend(fontsize=8)
     xs = list(INTENSITIES)
-    for mode in MODES:
+    for mode in modes:
         # mean over the failure schedules, with a bar from the lowest to the highest
         per = [
             [s["goodput"] for (m, i, _), s in results.items() if (m, i) == (mode, x)] for x in xs
@@ -139,11 +163,12 @@ def main() -> None:
         help="failure schedules each failure rate runs under (default: %(default)s)",
     )
     args = p.parse_args()
+    modes = [m for m in MODES if not args.quick or m in QUICK_MODES]
     keys: list[Key] = [
         (mode, intensity, seed)
         for intensity in INTENSITIES
         for seed in (args.chaos_seeds if INTENSITIES[intensity] else [None])
-        for mode in MODES
+        for mode in modes
     ]
     # Each run is deterministic on its virtual clock: processes side by side change wall times.
     # Spawned workers start without the parent's JAX settings: each points at the cache itself.
@@ -157,7 +182,7 @@ def main() -> None:
             mode, intensity, seed = key
             print(f"{mode:13s} {intensity:10s} {seed} {line} ({s['wall_s']:.0f}s)", flush=True)
     # target: the worst fault-free final loss, so every fault-free run reaches it
-    target = max(results[(m, "none", None)]["heldout_loss"] for m in MODES) * 1.001
+    target = max(results[(m, "none", None)]["heldout_loss"] for m in modes) * 1.001
     rows = []
     for (mode, intensity, seed), s in results.items():
         dp = results[("data_parallel", intensity, seed)]["goodput"]
@@ -180,7 +205,7 @@ def main() -> None:
         )
     name = "goodput-quick" if args.quick else "goodput"
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.chaos_seeds[0], target, args.out, name, args.quick)
+    plot(results, modes, args.chaos_seeds[0], target, args.out, name, args.quick)
     columns = [
         "mode",
         "failures",

@@ -1,11 +1,11 @@
-"""The published heterogeneous setting (issue 47 item 3), in the in-process reference run:
+"""The published heterogeneous setting, in the in-process reference run:
 8 learners, 4 at speed 1.0 and 4 at 0.82 (the published 4 + 4 learners' 18% gap), 10% jitter
 on every step, over 100 outer steps per fragment, 3 seeds, with a model and batch small enough
-that a run takes a minute on one core. Rounds of every learner (K = 8), of whoever comes first
-(K = 1), K = 1 with the adaptive grace window (the config's default), and the reference job
-file's rounds (K = 2, no grace), the same rules with the synchronizer pulling every live
-learner's fragment (`diloco.schedule: pull`), with and without kept unsent work, and on a slow
-link; each reporting the held-out loss, goodput of merged work on the virtual clock
+that a run takes a minute on one core. The config's defaults (rounds pulled by the
+synchronizer, K = 1, kept unsent work) against rules on learners' own offers: rounds of every
+learner (K = 8), of whoever comes first (K = 1), K = 1 with the adaptive grace window, K = 2
+without it, the same rules pulled, with and without kept unsent work, and on a slow link;
+each reporting the held-out loss, goodput of merged work on the virtual clock
 (`goodput_merged`: step time whose work reached the global model over allocated time) beside
 today's goodput, learners merged a round and the merged share of each speed class (tokens of
 its work that reached the global model over tokens it trained).
@@ -48,39 +48,68 @@ MODEL = [
 ]
 QUICK = ["token_budget=60000"]
 SLOW_LINK = ["links.local.bandwidth_gbps=0.01", "links.local.latency_ms=5"]
-# name -> what it changes from the config's defaults (DilocoConfig: K = 1, gamma = 0.5)
+# The rule every row but "default" starts from: learners offer on their own count, rounds of
+# K = 1 with the grace window (gamma = 0.5), non-contributors' unsent work mixed over, bases at
+# most 4 versions behind (the defaults before pulled rounds were measured best here).
+OFFER_RULE = [
+    "diloco.schedule=offer",
+    "diloco.grace_fraction=0.5",
+    "diloco.keep_unsent_work=false",
+    "diloco.max_staleness_versions=4",
+]
+# name -> what it changes from the config's defaults
 VARIANTS: dict[str, list[str]] = {
-    "K=8": ["diloco.quorum_min=8", "diloco.grace_fraction=0"],
-    "K=1": ["diloco.quorum_min=1", "diloco.grace_fraction=0"],
-    "K=1 + grace (default)": [],
-    "reference job (K=2, no grace)": ["diloco.quorum_min=2", "diloco.grace_fraction=0"],
+    # The config's defaults: pulled rounds of one, kept unsent work, staleness bound 8.
+    "default": [],
+    "K=8": [*OFFER_RULE, "diloco.quorum_min=8", "diloco.grace_fraction=0"],
+    "K=1": [*OFFER_RULE, "diloco.quorum_min=1", "diloco.grace_fraction=0"],
+    "K=1 + grace (offer)": OFFER_RULE,
+    "K=2 (the job files' rule before)": [
+        *OFFER_RULE,
+        "diloco.quorum_min=2",
+        "diloco.grace_fraction=0",
+    ],
     # Non-contributors carry their unsent work onto a new version (counted in their next
     # offer) instead of losing it; each one-learner round then holds a whole window of its
     # learner's work, so it takes its share of an outer step (the fraction step), not sqrt.
     "K=1 + grace, keep unsent work, fraction step": [
+        *OFFER_RULE,
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
     ],
     # ... with the default sqrt step: sqrt(1/8) of a step per one-learner round, 2.8 a window
-    "K=1 + grace, keep unsent work": ["diloco.keep_unsent_work=true"],
+    "K=1 + grace, keep unsent work": [*OFFER_RULE, "diloco.keep_unsent_work=true"],
     # Is what separates the rows the outer step a window takes? Each of these takes one outer
     # step of every learner's window a window: at twice and at half the outer lr.
     "K=1 + grace, keep unsent work, fraction step, outer lr 1.4": [
+        *OFFER_RULE,
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
         "outer.lr=1.4",
     ],
-    "K=8, outer lr 1.4": ["diloco.quorum_min=8", "diloco.grace_fraction=0", "outer.lr=1.4"],
+    "K=8, outer lr 1.4": [
+        *OFFER_RULE,
+        "diloco.quorum_min=8",
+        "diloco.grace_fraction=0",
+        "outer.lr=1.4",
+    ],
     # ... and half the outer lr
     "K=1 + grace, keep unsent work, fraction step, outer lr 0.35": [
+        *OFFER_RULE,
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
         "outer.lr=0.35",
     ],
-    "K=8, outer lr 0.35": ["diloco.quorum_min=8", "diloco.grace_fraction=0", "outer.lr=0.35"],
+    "K=8, outer lr 0.35": [
+        *OFFER_RULE,
+        "diloco.quorum_min=8",
+        "diloco.grace_fraction=0",
+        "outer.lr=0.35",
+    ],
     # Kept work was trained against an older G: anchored at its base, a contribution is its
     # learner's own update, whatever G did since.
     "K=1 + grace, keep unsent work, fraction step, base anchor": [
+        *OFFER_RULE,
         "diloco.keep_unsent_work=true",
         "diloco.round_step=fraction",
         "diloco.outer_anchor=base",
@@ -89,24 +118,36 @@ VARIANTS: dict[str, list[str]] = {
     # leading learner's count (docs/algorithm.md section 5, the open question), so each
     # learner contributes every round; only its steps between the pull and the adoption of
     # the round's version are overwritten (none with kept unsent work).
-    "pull, K=1 + grace": ["diloco.schedule=pull"],
-    "pull, K=8": ["diloco.schedule=pull", "diloco.quorum_min=8", "diloco.grace_fraction=0"],
-    "pull, K=1 + grace, keep unsent work": ["diloco.schedule=pull", "diloco.keep_unsent_work=true"],
+    "pull, K=1 + grace": [*OFFER_RULE, "diloco.schedule=pull"],
+    "pull, K=8": [
+        *OFFER_RULE,
+        "diloco.schedule=pull",
+        "diloco.quorum_min=8",
+        "diloco.grace_fraction=0",
+    ],
+    "pull, K=1 + grace, keep unsent work": [
+        *OFFER_RULE,
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+    ],
     # Without the window a pulled round closes on the leader's answer and the others' answers
     # make the next round: more rounds a window, fewer learners each.
     "pull, K=1, keep unsent work": [
+        *OFFER_RULE,
         "diloco.schedule=pull",
         "diloco.keep_unsent_work=true",
         "diloco.grace_fraction=0",
     ],
     # ... whose later answers, on a base up to 7 versions behind, are then merged, not refused
     "pull, K=1, keep unsent work, staleness 8": [
+        *OFFER_RULE,
         "diloco.schedule=pull",
         "diloco.keep_unsent_work=true",
         "diloco.grace_fraction=0",
         "diloco.max_staleness_versions=8",
     ],
     "pull, K=1, staleness 8": [
+        *OFFER_RULE,
         "diloco.schedule=pull",
         "diloco.grace_fraction=0",
         "diloco.max_staleness_versions=8",
@@ -115,6 +156,7 @@ VARIANTS: dict[str, list[str]] = {
     # One-learner rounds publish each learner's answer to all 8 (about 30 Mbps down), rounds
     # the window fills publish a pull's answers about once (about 5 Mbps).
     "pull, K=1, keep unsent work, staleness 8, 10 Mbps link": [
+        *OFFER_RULE,
         "diloco.schedule=pull",
         "diloco.keep_unsent_work=true",
         "diloco.grace_fraction=0",
@@ -122,8 +164,24 @@ VARIANTS: dict[str, list[str]] = {
         *SLOW_LINK,
     ],
     "pull, K=1 + grace, keep unsent work, 10 Mbps link": [
+        *OFFER_RULE,
         "diloco.schedule=pull",
         "diloco.keep_unsent_work=true",
+        *SLOW_LINK,
+    ],
+    # Which of the two separates the pulled rows with kept work, the window or the staleness
+    # fence: the window with late answers on bases up to 7 versions behind merged too.
+    "pull, K=1 + grace, keep unsent work, staleness 8": [
+        *OFFER_RULE,
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.max_staleness_versions=8",
+    ],
+    "pull, K=1 + grace, keep unsent work, staleness 8, 10 Mbps link": [
+        *OFFER_RULE,
+        "diloco.schedule=pull",
+        "diloco.keep_unsent_work=true",
+        "diloco.max_staleness_versions=8",
         *SLOW_LINK,
     ],
 }
@@ -219,18 +277,21 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> 
 
     from ray_diloco.sim.figures import save_figure
 
-    fig = Figure(figsize=(13, 4.8))
+    fig = Figure(figsize=(16, 5.2))
     curves, trade = fig.subplots(1, 2)
     for i, row in enumerate(rows):
-        colour = f"C{i}" if len(rows) <= 10 else matplotlib.colormaps["tab20"](i)
+        colour = f"C{i}" if len(rows) <= 10 else matplotlib.colormaps["tab20"](i % 20)
+        # past tab20's colours the same colour again, told apart by the line and marker
+        dashed, marker = ("--", "s") if i >= 20 else ("-", "o")
         first = next(r for r in runs if r["variant"] == row["variant"] and r["seed"] == 0)
         tokens = [e["tokens"] / 1e3 for e in first["evals"]]
-        curves.plot(tokens, [e["heldout_loss"] for e in first["evals"]], color=colour)
+        curves.plot(tokens, [e["heldout_loss"] for e in first["evals"]], dashed, color=colour)
         mine = [r for r in runs if r["variant"] == row["variant"]]
         trade.scatter(
             [r["goodput_merged"] for r in mine],
             [r["heldout_loss"] for r in mine],
             color=colour,
+            marker=marker,
             label=row["variant"],
         )
     end = max(e["heldout_loss"] for r in runs for e in r["evals"][-3:])
@@ -244,7 +305,8 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> 
     trade.set_title("each seed: quality against merged goodput")
     for ax in (curves, trade):
         ax.grid(alpha=0.3)
-    trade.legend(fontsize=7, loc="upper left")  # the colours of both panels
+    # the colours of both panels, beside them: the points fill the panel's corners
+    trade.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     save_figure(fig, path, dpi=110)
 
 

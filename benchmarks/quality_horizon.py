@@ -37,6 +37,7 @@ from common import (
     K2,
     MIX,
     NO_GRACE,
+    PULLED,
     QUICK_MODEL,
     REFERENCE,
     both_ways,
@@ -64,6 +65,7 @@ BEST_2M = "decoupled K=1 grace, contributors, share step"
 # name -> (overrides, learners, seeds)
 VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     "data_parallel": (["diloco.mode=data_parallel"], 4, SEEDS),
+    PULLED: ([], 4, SEEDS),  # the config's defaults, nothing of AS_WRITTEN
     "synchronous": (["diloco.mode=synchronous"], 4, SEEDS),
     "decoupled K=M": (["diloco.quorum_min=4"], 4, SEEDS),
     "decoupled K=1 no grace": (["diloco.grace_fraction=0"], 4, SEEDS),
@@ -432,12 +434,14 @@ def horizon_config(
     quick: bool,
     batch: int = GLOBAL_BATCH,
     same_speed: bool = False,
+    as_written: bool = True,
 ) -> RunConfig:
-    base = QUICK if quick else HORIZON
+    """`overrides` on top of AS_WRITTEN, or (not `as_written`) of the config's defaults."""
+    base = [*(QUICK if quick else HORIZON), *(AS_WRITTEN if as_written else [])]
     named = "-".join(overrides) or "default"
     even = "-same" if same_speed else ""
     run_dir = f"run_dir=/tmp/quality_horizon/{num}x{batch // num}{even}-{seed}-{named}"
-    cfg = load_config(REFERENCE, [*base, *AS_WRITTEN, *overrides, f"seed={seed}", run_dir])
+    cfg = load_config(REFERENCE, [*base, *overrides, f"seed={seed}", run_dir])
     tree = cfg.model_dump(mode="json")
     tree["learners"] = learners(num, batch, same_speed)
     tree["token_budget"] = cfg.token_budget * batch // GLOBAL_BATCH  # the same steps
@@ -450,7 +454,7 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
     name, overrides, num, seed, quick = job
     cache_compilations()
     batch = global_batch(name)
-    cfg = horizon_config(overrides, num, seed, quick, batch, SAME_SPEED in name)
+    cfg = horizon_config(overrides, num, seed, quick, batch, SAME_SPEED in name, name != PULLED)
     t0 = time.perf_counter()
     s = run_reference(cfg)
     # Steps of the fastest learner (data-parallel: its one learner, the whole global batch).
@@ -472,6 +476,8 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
         "mean_contributors": s.get("mean_contributors", 0.0),
         "refused": s.get("rejected", {}),
         "bytes_per_token": s["bytes_per_token"],
+        # the lowest learner's share of its trained tokens that reached the global model
+        "merged_share_min": min((r["merged_share"] for r in per_learner), default=None),
         "wall_s": time.perf_counter() - t0,
         "evals": s["evals"],
     }
@@ -629,6 +635,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mean_contributors": statistics.fmean(r["mean_contributors"] for r in mine),
                 "refused": refused,
                 "bytes_per_token": statistics.fmean(r["bytes_per_token"] for r in mine),
+                # runs recorded before merged shares were measured have none
+                "merged_share_min": min(
+                    (r["merged_share_min"] for r in mine if r.get("merged_share_min") is not None),
+                    default=None,
+                ),
                 "wall_s": statistics.fmean(r["wall_s"] for r in mine),
             }
         )

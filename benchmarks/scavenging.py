@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from ray_diloco.config import RunConfig, build_config, load_config
 from ray_diloco.sim.figures import save_figure
 
-from common import NO_GRACE, QUICK_MODEL, REFERENCE, parser, write_results
+from common import QUICK_MODEL, REFERENCE, parser, write_results
 
 EXTRA = {0: 0, 50: 2, 100: 4, 200: 8, 300: 12}  # % compute added -> temporary learners
 PUBLISHED = {
@@ -198,14 +198,12 @@ def plot(
 
 
 # The Ray run: tests/fixtures/tiny_train.yaml's model, steps paced at 50 ms (mostly sleep, so
-# eight learners fit two cores), 4 base learners, +100% = 4 temporary ones; K = 2 without
-# the grace window, as in the 4-learner job files.
+# eight learners fit two cores), 4 base learners, +100% = 4 temporary ones; the config's
+# rounds (pulled, K = 1, unsent work kept), as in the 4-learner job files.
 RAY_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_train.yaml"
 RUN_SUFFIX = ", run "  # "decoupled on Ray, run 2": one of the repeated Ray pairs
 RAY_RUN = [
     "diloco.mode=decoupled",
-    "diloco.quorum_min=2",
-    *NO_GRACE,
     "token_budget=400000",
     "pace=step_time",
     "step_time_s=0.05",

@@ -19,6 +19,8 @@ TINY = [
     "diloco.num_fragments=2",
     "diloco.quorum_min=1",
     "diloco.grace_max_s=0",
+    # the learner offers on its own count (every H steps), which these tests drive by hand
+    "diloco.schedule=offer",
 ]
 
 

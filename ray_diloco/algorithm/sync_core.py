@@ -143,7 +143,10 @@ class SynchronizerCore:
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
-        self.rejected_tokens = 0
+        # Tokens refused per (learner, incarnation, fragment, base): an offer carries every
+        # token since its base, so a second refusal on the same base repeats the first's
+        # tokens and a later acceptance on it merges them (no longer lost).
+        self._refused: dict[tuple[str, int, int, int], int] = {}
         self.recovery = Recoveries(plan, self.book, self.ledger, self.down)
 
     # -- recovery after a restart (sync_recovery.py) --------------------------------------------
@@ -276,14 +279,22 @@ class SynchronizerCore:
             return self._reject(verdict, meta)
         bases = self.bases[meta.fragment]
         bases[meta.learner] = max(bases.get(meta.learner, 0), meta.base_version)
+        self._refused.pop(_work(meta), None)
         return verdict
 
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
-        # Tokens refused: the work lost. An implausible claim's counters are not believed.
-        if verdict is not Verdict.IMPLAUSIBLE:
-            self.rejected_tokens += meta.num_tokens
+        # Tokens refused: the work lost. An implausible claim's counters are not believed; a
+        # replay repeats an offer whose tokens were taken when it first arrived.
+        if verdict not in (Verdict.IMPLAUSIBLE, Verdict.REPLAYED):
+            key = _work(meta)
+            self._refused[key] = max(self._refused.get(key, 0), meta.num_tokens)
         return verdict
+
+    @property
+    def rejected_tokens(self) -> int:
+        """Trained tokens refused and not merged since: the work lost."""
+        return sum(self._refused.values())
 
     # -- rounds -------------------------------------------------------------------------------
 
@@ -486,3 +497,8 @@ class SynchronizerCore:
         self.ledger.load_state_dict(state["ledger"])
         self.bytes_up = dict(state["bytes_up"])
         self.bytes_down = dict(state["bytes_down"])
+
+
+def _work(meta: ContributionMeta) -> tuple[str, int, int, int]:
+    """The work an offer carries: its learner's steps on a fragment since a base."""
+    return (meta.learner, meta.incarnation, meta.fragment, meta.base_version)

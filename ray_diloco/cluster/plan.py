@@ -218,13 +218,17 @@ def learner_link_loads(
     cfg: RunConfig, fragment_sizes: Sequence[int], sync_region: str
 ) -> list[LinkLoad]:
     """Bytes per second on each region's link at `step_time_s` (a learner's step lasts
-    `step_time_s / speed`). Up: every fragment once per `sync_every` steps per learner. Down
-    with `publish_to: all`: every round to every learner; a round needs `quorum_min`
-    contributions (all learners in synchronous mode), so at most contributions / K rounds.
-    With `publish_to: contributors`: one version back per contribution."""
+    `step_time_s / speed`). Up: every fragment once per `sync_every` steps per learner, of the
+    fastest learner's steps when the synchronizer pulls (`schedule: pull`: every learner answers
+    every pull). Down with `publish_to: all`: every round to every learner; a round needs
+    `quorum_min` contributions (all learners in synchronous mode), so at most contributions / K
+    rounds. With `publish_to: contributors`: one version back per contribution."""
     up_bytes, down_bytes = fragment_wire_bytes(cfg, fragment_sizes)
+    pulled = cfg.diloco.schedule == "pull"
+    fastest = max(lg.speed for lg in cfg.learners)
     windows = {
-        lg.name: lg.speed / (cfg.diloco.sync_every * cfg.step_time_s) for lg in cfg.learners
+        lg.name: (fastest if pulled else lg.speed) / (cfg.diloco.sync_every * cfg.step_time_s)
+        for lg in cfg.learners
     }  # sync windows per second, i.e. offers of each fragment per second
     quorum = cfg.num_learners if cfg.diloco.mode == "synchronous" else cfg.diloco.quorum_min
     rounds = sum(windows.values()) / quorum

@@ -3,9 +3,9 @@ grace, the merge, and the outer-step and publication options (docs/algorithm.md 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ray_diloco.config.base import WireDtype, _Frozen
 
@@ -22,13 +22,14 @@ class DilocoConfig(_Frozen):
     num_fragments: int = Field(24, ge=1, description="P: fragments the parameters are cut into")
     overlap_steps: int = Field(2, ge=0, description="tau: steps a sync may take before it is due")
     schedule: Literal["offer", "pull"] = Field(
-        "offer",
+        "pull",
         description="who times a sync: each learner on its own step count, or the synchronizer "
-        "pulling every live learner when the fragment falls due on the leading one's",
+        "pulling every live learner when the fragment falls due on the leading one's "
+        "(the default in decoupled mode; the other modes offer)",
     )
     quorum_min: int = Field(1, ge=1, description="K: fewest learners a round merges")
     grace_fraction: float = Field(
-        0.5, ge=0, lt=1, description="gamma: share of the slowest learner's slack the round waits"
+        0.0, ge=0, lt=1, description="gamma: share of the slowest learner's slack the round waits"
     )
     grace_max_s: float = Field(5.0, ge=0, description="longest grace window, seconds")
     merge: Literal["rda", "mean"] = Field("rda", description="how a round's deltas combine")
@@ -36,7 +37,9 @@ class DilocoConfig(_Frozen):
         0.25, ge=0, lt=1, description="share of its own values a learner keeps on a new version"
     )
     keep_unsent_work: bool = Field(
-        False, description="carry unsent local work onto a new version instead of overwriting it"
+        True,
+        description="carry unsent local work onto a new version instead of overwriting it "
+        "(the default in decoupled mode; the other modes mix)",
     )
     apply_at: Literal["arrival", "overlap"] = Field(
         "arrival", description="when a new version is applied: on arrival or tau after the offer"
@@ -59,7 +62,7 @@ class DilocoConfig(_Frozen):
     staleness_penalty: float = Field(
         0.0, ge=0, description="merge weight / (1 + penalty x versions behind)"
     )
-    max_staleness_versions: int = Field(4, ge=0, description="oldest base a round accepts")
+    max_staleness_versions: int = Field(8, ge=0, description="oldest base a round accepts")
     norm_guard: float = Field(
         10.0, gt=1, description="refuse an update per step this many times the recent median"
     )
@@ -69,3 +72,18 @@ class DilocoConfig(_Frozen):
         "int4", description="publications down: the value, or a quantized difference"
     )
     int4_block_size: int = Field(64, ge=2, description="elements per scale, int4 and int2")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decoupled_defaults(cls, data: Any) -> Any:
+        # A synchronous or data-parallel learner blocks on the fragments it offers on its own
+        # count, and there a kept window of unsent work measured worse than the mix
+        # (docs/decisions/022-pulled-rounds.md): those modes keep the earlier defaults for
+        # what they were not given (asking for pull there is refused).
+        if isinstance(data, dict) and data.get("mode", "decoupled") != "decoupled":
+            return {**NOT_DECOUPLED, **data}
+        return data
+
+
+# The defaults of the modes other than decoupled, where they differ.
+NOT_DECOUPLED = {"schedule": "offer", "keep_unsent_work": False}

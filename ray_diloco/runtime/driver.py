@@ -90,14 +90,6 @@ def run_training(
     this config in `run_dir` resumes (`resume` insists on it); a finished run or another
     config's raises a ConfigError unless `overwrite` (`control/run_dir.py`)."""
     check_output_dir(cfg.run_dir, "run_dir")  # before Ray starts or anything is written
-    spanning = [lg.name for lg in cfg.learners if lg.num_hosts > 1]
-    if cfg.diloco.schedule == "pull" and spanning:
-        # A pull reaches the learner's host 0 only; its other hosts would not join the
-        # gather of a pulled fragment's sharded leaves (fragments fall due by step count).
-        raise ConfigError(
-            f"diloco.schedule=pull: learners {spanning} span several hosts, which pulled "
-            "rounds do not support on Ray yet; set diloco.schedule=offer or use one host"
-        )
     run_dir = Path(cfg.run_dir).absolute()
     # What needs no config digest is refused before Ray starts (a finished run, nothing to
     # resume); the digest is the fitted config's, known once the task was built (below).

@@ -50,10 +50,6 @@ CASES = {
         (["--config", "conf.yaml"], "config file conf.yaml is a directory"),
         (["--set", "token_budget=1e-3"], "invalid configuration"),
         (["--address", NO_CLUSTER], f"no Ray cluster at {NO_CLUSTER}"),
-        (
-            ["--set", "diloco.schedule=pull", "--set", "learners.0.num_hosts=2"],
-            "diloco.schedule=pull: learners ['learner-0'] span several hosts",
-        ),
     ],
     "simulate": [
         (["--config", "bad.yaml"], "bad.yaml: not valid YAML"),

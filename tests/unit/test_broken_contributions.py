@@ -243,3 +243,37 @@ def test_an_old_incarnations_pending_contribution_is_merged_not_waited_for() -> 
         ("a", 1),
         ("b", 0),
     ]
+
+
+def test_work_refused_twice_on_one_base_is_lost_once() -> None:
+    core = _core()  # bases at most 3 versions behind
+    for version in range(4):
+        meta = _meta("a", base=version, step=4 * (version + 1))
+        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
+            Verdict.ACCEPTED
+        )
+        assert len(core.poll(now=version + 0.5)) == 1
+    first = _meta("b", base=0, step=4)  # 4 steps since base 0, now 4 versions behind
+    again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)  # 6 since base 0
+    for meta in (first, again):
+        encoded = wire.encode_tree(_delta(core), "bfloat16")
+        assert core.offer(meta, encoded, 5.0) is Verdict.STALE_VERSION
+    assert core.rejected == {"stale_version": 2}
+    assert core.rejected_tokens == again.num_tokens  # the same first 4 steps, counted once
+
+
+def test_work_refused_then_merged_on_its_base_is_not_lost() -> None:
+    core = _core("diloco.late_policy=drop")
+    assert core.offer(_meta("a"), wire.encode_tree(_delta(core), "bfloat16"), 0.1) is (
+        Verdict.ACCEPTED
+    )
+    (close,) = core.close_due(now=0.2)
+    pub = core.merge(close)
+    late = _meta("b")  # arrives while the round of its base merges: dropped at its commit
+    assert core.offer(late, wire.encode_tree(_delta(core), "bfloat16"), 0.3) is Verdict.ACCEPTED
+    core.commit(pub, now=0.4)
+    assert core.rejected_tokens == late.num_tokens
+    # the same work and more, offered on the same base: taken, so none of it is lost
+    later = ContributionMeta("b", 0, 0, 0, 8, 8, 8 * TOKENS_PER_STEP)
+    assert core.offer(later, wire.encode_tree(_delta(core), "bfloat16"), 0.5) is Verdict.ACCEPTED
+    assert core.rejected_tokens == 0

@@ -117,8 +117,10 @@ def test_goodput_is_windowed_and_links_are_rates_against_capacity(tmp_path: Path
 def test_the_grace_panel_is_drawn_only_with_a_grace_window(tmp_path: Path) -> None:
     make_run(tmp_path, finished=True)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert len(run_plots.rounds(RunRecord.load(tmp_path)).axes) == 2  # the default: grace on
-    config["diloco"]["grace_fraction"] = 0
+    config["diloco"]["grace_fraction"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert len(run_plots.rounds(RunRecord.load(tmp_path)).axes) == 2
+    config["diloco"]["grace_fraction"] = 0  # the default
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert len(run_plots.rounds(RunRecord.load(tmp_path)).axes) == 1
 

@@ -65,22 +65,25 @@ def test_decoupled_run_learns_and_keeps_the_ledger(decoupled):
 
 
 def test_pulled_rounds_merge_every_learners_work(decoupled):
-    # `schedule: pull`: every live learner is asked for p when it falls due on the leading
-    # learner's count; kept unsent work carries the steps between its answer and the new
-    # version into its next answer. Offering on its own count, no learner merges 0.6 of it.
-    s = run_reference(
+    # The defaults (`schedule: pull`): every live learner is asked for p when it falls due on
+    # the leading learner's count; kept unsent work carries the steps between its answer and
+    # the new version into its next answer. Offering on its own count and overwriting unsent
+    # work, no learner merges 0.6 of it.
+    offers = run_reference(
         tiny(
             "learners.2.speed=0.7",
             "learners.3.jitter=0.2",
-            "diloco.schedule=pull",
-            "diloco.keep_unsent_work=true",
+            "diloco.schedule=offer",
+            "diloco.keep_unsent_work=false",
         )
     )
-    assert s["ledger_violations"] == [] and s["rejected"] == {}
-    assert max(v["merged_share"] for v in decoupled["learners"].values()) < 0.6
-    assert all(v["merged_share"] > 0.85 for v in s["learners"].values())
-    assert s["mean_contributors"] > decoupled["mean_contributors"]
-    assert s["evals"][-1]["heldout_loss"] < s["evals"][0]["heldout_loss"] - 0.3
+    assert decoupled["ledger_violations"] == [] and decoupled["rejected"] == {}
+    assert max(v["merged_share"] for v in offers["learners"].values()) < 0.6
+    assert all(v["merged_share"] > 0.85 for v in decoupled["learners"].values())
+    # ... the slow learner too, answering every pull as the others do
+    merged = [v["contributions_merged"] for v in decoupled["learners"].values()]
+    assert min(merged) >= 0.8 * max(merged)
+    assert decoupled["evals"][-1]["heldout_loss"] < decoupled["evals"][0]["heldout_loss"] - 0.3
 
 
 def test_synchronous_rounds_have_every_learner():
@@ -100,7 +103,14 @@ def test_decoupled_in_lock_step_is_synchronous_diloco_with_an_overlap_of_one():
     # DiLoCo about 4% against tau = 2 at batch 32, 0.5% at 128: quality_horizon.py's
     # "overlap 1" rows.)
     assert "diloco.overlap_steps=1" in TINY
-    decoupled = run_reference(tiny("diloco.quorum_min=4", "diloco.grace_fraction=0"))
+    decoupled = run_reference(
+        tiny(
+            "diloco.quorum_min=4",
+            "diloco.grace_fraction=0",
+            "diloco.schedule=offer",
+            "diloco.keep_unsent_work=false",
+        )
+    )
     synchronous = run_reference(tiny("diloco.mode=synchronous"))
     assert decoupled["heldout_loss"] == synchronous["heldout_loss"]
     assert decoupled["rounds"] == synchronous["rounds"] > 0
@@ -279,7 +289,7 @@ def test_synchronous_learners_never_deadlock_on_a_restart(seed):
 def test_plan_link_loads_are_the_reference_runs_byte_rates(decoupled):
     # `ray-diloco plan` predicts each region's bytes per second at step_time_s; the reference
     # run moves its bytes on that virtual clock, so its upstream rate is the prediction (up to
-    # the run's ragged end) and its downstream rate stays under the predicted bound.
+    # the run's ragged end) and its downstream rate stays under the predicted bound (to 3%).
     from ray_diloco.algorithm.setup import fragment_plan
     from ray_diloco.cluster.plan import learner_link_loads
 
@@ -287,4 +297,6 @@ def test_plan_link_loads_are_the_reference_runs_byte_rates(decoupled):
     (load,) = learner_link_loads(cfg, fragment_plan(cfg).sizes, "local")
     seconds = decoupled["virtual_time_s"]
     assert decoupled["bytes_up"] / seconds == pytest.approx(load.up, rel=0.03)
-    assert decoupled["bytes_down"] / seconds <= load.down
+    # (pulled rounds: the pull follows whichever learner is ahead, a little faster than the
+    # fastest one's mean pace when they jitter)
+    assert decoupled["bytes_down"] / seconds <= load.down * 1.03

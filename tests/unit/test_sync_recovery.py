@@ -26,7 +26,9 @@ LEARNERS = ("a", "b")
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
-    return Setup.build(load_config(None, [*TINY, "diloco.quorum_min=2"]))
+    return Setup.build(
+        load_config(None, [*TINY, "diloco.quorum_min=2", "diloco.max_staleness_versions=4"])
+    )
 
 
 class Run:

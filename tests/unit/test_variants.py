@@ -134,8 +134,8 @@ def test_a_shard_pulls_only_its_own_fragments():
 
 
 def test_offers_on_its_own_count_pull_nothing():
-    d = DilocoConfig()
+    d = DilocoConfig(schedule="offer")
     assert isinstance(variants.schedule(d, range(24)), variants.OwnCount)
     assert variants.schedule(d, range(24)).reported(24) == []
-    pulled = variants.schedule(DilocoConfig(schedule="pull"), range(24))
+    pulled = variants.schedule(DilocoConfig(), range(24))  # the default
     assert pulled.reported(1) == [23]  # offset 23: due at step 1

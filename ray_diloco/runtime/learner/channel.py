@@ -94,6 +94,7 @@ class SyncChannel:
         self._next_beat = [0.0] * num
         self._reports: list[collections.deque[Any]] = [collections.deque() for _ in range(num)]
         self._leases: list[tuple[int, int, int]] = []  # given in report replies, not yet read
+        self._pulled: list[int] = []  # the same for pulled fragments
         # Offers per shard: sent and unanswered, and waiting for room (newest per fragment).
         # The sender thread adds, the training thread drains: one lock for both.
         self._offer_lock = threading.Lock()
@@ -233,12 +234,18 @@ class SyncChannel:
                 self._rejoin(core, stop, shard)
             else:
                 self._leases.extend(reply.leases)
-                core.pull(reply.pull)
+                self._pulled.extend(reply.pull)
 
     def take_leases(self) -> list[tuple[int, int, int]]:
         """Leases the synchronizer added since the last call, for the next step boundary."""
         leases, self._leases = self._leases, []
         return leases
+
+    def take_pulled(self) -> list[int]:
+        """Fragments the synchronizer pulled since the last call (`schedule: pull`), offered
+        by every host of the learner from the next step on."""
+        pulled, self._pulled = self._pulled, []
+        return pulled
 
     # -- contributions ------------------------------------------------------------------------
 

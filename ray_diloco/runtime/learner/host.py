@@ -303,6 +303,7 @@ class LearnerHost:
         leased for the next step. All hosts of a learner go through here in lock-step. Returns
         False when the learner must stop."""
         from ray_diloco.algorithm.leases import Lease
+        from ray_diloco.runtime.learner.spmd import Boundary
 
         blocked_since: float | None = None
         while True:
@@ -313,10 +314,14 @@ class LearnerHost:
                 core.receive(msg)
             # Every host applies host 0's inbox: hosts see arrivals at different moments.
             held = [(p, v, values) for p, (v, values) in sorted(core.inbox.items())]
-            leases = channel.take_leases() if channel is not None else []
-            held, stop, leases = link.share_step(held, stop, leases)
-            core.inbox = {p: (v, values) for p, v, values in held}
-            core.reader.add([Lease(*lease) for lease in leases])
+            mine = Boundary(held, stop)
+            if channel is not None:
+                mine = Boundary(held, stop, channel.take_leases(), channel.take_pulled())
+            shared = link.share_step(mine)
+            stop = shared.stop
+            core.inbox = {p: (v, values) for p, v, values in shared.received}
+            core.reader.add([Lease(*lease) for lease in shared.leases])
+            core.pull(shared.pulled)
             core.apply_received()
             if stop or (core.pending and core.blocked_on()):
                 # Offers that cannot wait for the next step to hide their copies: the run

@@ -7,8 +7,9 @@ the mesh, and the collectives inside the jitted step. Only host 0 (the leader) t
 synchronizer: a fragment it offers is gathered to every host at its due step (a collective
 over the slice's fast links, one DCN upload per learner). At every step boundary it
 broadcasts what the other hosts must do (`HostLink.share_step`: the fragments it received,
-whether to stop and the data leases it was given: every host reads the same global batch and
-gives the mesh its rows) with `multihost_utils.broadcast_one_to_all`, and at start the
+whether to stop, the data leases it was given: every host reads the same global batch and
+gives the mesh its rows, and the fragments the synchronizer pulled: every host joins their
+gather at the next step) with `multihost_utils.broadcast_one_to_all`, and at start the
 snapshot and data it registered with, so all hosts apply the same fragments at the same step.
 A learner with one host uses `LocalLink`, which passes everything through.
 """
@@ -20,6 +21,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 Received = tuple[int, int, Any]  # fragment, version, values (leaf path -> array)
 Leases = list[tuple[int, int, int]]  # (part, start, end) of the data pool's leases
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What every host of a learner does at a step boundary, as host 0 decided it."""
+
+    received: list[Received]  # publications to apply
+    stop: bool
+    leases: Leases = field(default_factory=list)  # data added to the pool
+    pulled: list[int] = field(default_factory=list)  # fragments to offer next (`schedule: pull`)
 
 
 def free_address() -> str:
@@ -101,10 +113,8 @@ class LocalLink:
     def share_start(self, snapshot: Any, data: tuple[int, int, Leases]) -> tuple[Any, Any]:
         return snapshot, data
 
-    def share_step(
-        self, items: list[Received], stop: bool, leases: Leases
-    ) -> tuple[list[Received], bool, Leases]:
-        return items, stop, leases
+    def share_step(self, boundary: Boundary) -> Boundary:
+        return boundary
 
     def close(self) -> None:
         pass
@@ -157,26 +167,33 @@ class HostLink:
         }
         return out, (int(header[0]), int(header[1]), self._leases(data[2]))
 
-    def share_step(
-        self, items: list[Received], stop: bool, leases: Leases
-    ) -> tuple[list[Received], bool, Leases]:
+    def share_step(self, boundary: Boundary) -> Boundary:
         num = len(self.fragments)
         newest: dict[int, Received] = {}
-        for item in items:  # the core keeps only the newest version of a fragment anyway
+        for item in boundary.received:  # the core keeps only the newest version of a fragment
             if item[0] not in newest or item[1] > newest[item[0]][1]:
                 newest[item[0]] = item
-        header = np.full(2 + 2 * num, -1, np.int64)
+        pulled = sorted(set(boundary.pulled))
+        # stop, how many received and pulled; (fragment, version) per received; pulled ones
+        header = np.full(3 + 3 * num, -1, np.int64)
         if self.leader:
-            header[0], header[1] = int(stop), len(newest)
+            header[0], header[1], header[2] = int(boundary.stop), len(newest), len(pulled)
             for i, (p, v, _) in enumerate(sorted(newest.values(), key=lambda e: e[0])):
-                header[2 + 2 * i], header[3 + 2 * i] = p, v
+                header[3 + 2 * i], header[4 + 2 * i] = p, v
+            header[3 + 2 * num : 3 + 2 * num + len(pulled)] = pulled
         header = np.asarray(self._broadcast(header))
         shared = []
         for i in range(int(header[1])):
-            p, v = int(header[2 + 2 * i]), int(header[3 + 2 * i])
+            p, v = int(header[3 + 2 * i]), int(header[4 + 2 * i])
             values = newest[p][2] if self.leader else None
             shared.append((p, v, self._values(p, values)))
-        return shared, bool(header[0]), self._leases(leases)
+        count = int(header[2])
+        return Boundary(
+            received=shared,
+            stop=bool(header[0]),
+            leases=self._leases(boundary.leases),
+            pulled=[int(p) for p in header[3 + 2 * num : 3 + 2 * num + count]],
+        )
 
     def close(self) -> None:
         shutdown()
