@@ -8,7 +8,7 @@ trace. The meta holds the re-mesh each published cell implies (`implied_reconfig
 what the published elastic and M = 2 cells imply together under each law of a failure during
 a recovery (`published_pair`), and the chips an elastic job runs without while shrunk.
 
-    python benchmarks/goodput_sim_checks.py --out benchmarks/results   # ~60 s CPU
+    python benchmarks/goodput_sim_checks.py --out benchmarks/results   # ~30 to 40 s CPU
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def published_pair() -> dict[str, float]:
     e, m2 = PUBLISHED[("elastic_dp", 1)], PUBLISHED[("decoupled", 2)]
     exp_half, lenient_half = e**0.5, 2 * e / (1 + e)
     return {
-        "published elastic_dp": 100 * e,
-        "published M=2": 100 * m2,
+        "published elastic_dp": round(100 * e, 1),
+        "published M=2": round(100 * m2, 1),
         "exp law: M=2 trained": round(100 * exp_half, 1),
         "exp law: M=2 merged share": round(100 * m2 / exp_half, 1),
         "lenient law: M=2 trained": round(100 * lenient_half, 1),
