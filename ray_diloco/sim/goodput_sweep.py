@@ -85,8 +85,9 @@ def implied(
     precision_s: float = 0.1,
 ) -> float | None:
     """The value of the cost `field` (seconds; goodput falls as it grows) at which `cell`
-    gives its published goodput at 1.2M chips, by bisection to `precision_s`; None when even
-    a cost of 0 leaves it below (the other costs alone lose more)."""
+    gives its published goodput at 1.2M chips, by bisection to `precision_s` within [0, hi]
+    (a cell still above its figure at `hi` gives `hi`); None when even a cost of 0 leaves it
+    below (the other costs alone lose more)."""
     base = cfg.model_copy(update={"chips": ANCHOR_CHIPS})
     trace = trace if trace is not None else make_trace(base)
     target = PUBLISHED[cell]
