@@ -9,7 +9,10 @@ section 10) from the command line.
 Settings come from the `goodput_sim` section of the run config (`--config`, `--set`), on top
 of a named preset (`--preset`, default `calibrated`: the config's defaults); the convenience
 flags are shorthands for `--set goodput_sim.<field>=...`. `--chips` and `--learners` take
-several values to sweep over them. Prints a markdown table; `--out DIR` writes
+several values to sweep over them. A run config that sets `diloco.schedule` (the runtime's
+`offer` or `pull`) simulates that schedule: `goodput_sim.sync_schedule` is the simulator's own
+default for configs that do not (`pull`), and setting both to different values is an error.
+Prints a markdown table; `--out DIR` writes
 goodput_sim.{json,md,png} (goodput_sim_<preset>.* for another preset), with the wall and CPU
 time of the simulation and where the CPU time went.
 """
@@ -101,7 +104,21 @@ def _load(args: argparse.Namespace) -> RunConfig:
             overrides.append(f"goodput_sim.num_learners={args.learners[0]}")
     if args.days is not None:
         overrides.append(f"goodput_sim.duration_days={args.days}")
-    return load_config(args.config, overrides)
+    return with_run_schedule(load_config(args.config, overrides))
+
+
+def with_run_schedule(cfg: RunConfig) -> RunConfig:
+    """The config with the simulated schedule taken from `diloco.schedule` when the config
+    sets it: a run config says how its own rounds are timed."""
+    gs, schedule = cfg.goodput_sim, cfg.diloco.schedule
+    if "schedule" not in cfg.diloco.model_fields_set or gs.sync_schedule == schedule:
+        return cfg
+    if "sync_schedule" in gs.model_fields_set:
+        raise ConfigError(
+            f"goodput_sim.sync_schedule={gs.sync_schedule} and diloco.schedule={schedule} "
+            "disagree: the simulator takes the run config's schedule; drop one of the two"
+        )
+    return cfg.model_copy(update={"goodput_sim": gs.model_copy(update={"sync_schedule": schedule})})
 
 
 def run(args: argparse.Namespace) -> tuple[RunConfig, list[Row], dict[str, Any]]:

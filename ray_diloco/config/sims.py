@@ -83,9 +83,12 @@ class GoodputSimConfig(_Frozen):
         10.0,
         ge=0,
         description="one re-mesh without a restart (elastic data-parallel, a learner taking a "
-        "slice in or out): the optical switch reconfigures (~10 s, as the swap); the program "
-        "for the new mesh comes from the compilation cache and the state re-shards over ICI "
-        "in well under a second",
+        "slice in or out): every host loads the program for the new mesh from the compilation "
+        "cache and the collectives across the remaining slices are formed again; no switch is "
+        "reconfigured (slices talk over the data-centre network, and each keeps its torus) and "
+        "no state moves (each slice holds a whole replica). Argued, not measured: less than a "
+        "restart (restart_cost_s), which also starts the processes; docs/goodput.md gives "
+        "what each published cell implies",
     )
     learner_mode: Literal["spare", "shrink", "restart"] = Field(
         "shrink",
@@ -112,7 +115,8 @@ class GoodputSimConfig(_Frozen):
         description="when learners contribute a fragment. pull: the synchronizer asks every "
         "learner for fragment p on its own schedule, every H steps (the published design as "
         "docs/algorithm.md section 5 reconstructs it); offer: each learner offers p when it is due "
-        "on its own step count (this project's runtime)",
+        "on its own step count (this project's runtime). simulate-goodput takes diloco.schedule "
+        "instead when the run config sets it",
     )
     model_params: float = Field(
         12e9, gt=0, description="parameters; sets the bytes a fragment puts on the link"

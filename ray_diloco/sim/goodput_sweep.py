@@ -64,21 +64,50 @@ def published(chips: int, system: str, learners: int) -> float | None:
     return PUBLISHED.get((system, learners)) if chips == ANCHOR_CHIPS else None
 
 
-def calibrate(cfg: GoodputSimConfig, trace: FailureTrace | None = None) -> float | None:
-    """`restart_cost_s` at which data-parallel gives its published goodput at 1.2M chips
-    (bisection: goodput falls as the restart cost grows), to 0.1 s; None when even a free
-    restart leaves it below (the other costs alone lose more)."""
+def cell_goodput(cfg: GoodputSimConfig, trace: FailureTrace, cell: tuple[str, int]) -> float:
+    """Goodput of a published cell's system (data-parallel, elastic, or decoupled with M
+    learners) on one trace."""
+    system, m = cell
+    if system == "data_parallel":
+        return data_parallel(cfg, trace).goodput
+    if system == "elastic_dp":
+        return elastic_dp(cfg, trace).goodput
+    c = cfg.model_copy(update={"num_learners": m, "quorum_min": min(cfg.quorum_min, m)})
+    return decoupled(c, trace).goodput
+
+
+def implied(
+    cfg: GoodputSimConfig,
+    field: str,
+    cell: tuple[str, int],
+    trace: FailureTrace | None = None,
+    hi: float = 3600.0,
+    precision_s: float = 0.1,
+) -> float | None:
+    """The value of the cost `field` (seconds; goodput falls as it grows) at which `cell`
+    gives its published goodput at 1.2M chips, by bisection to `precision_s` within [0, hi]
+    (a cell still above its figure at `hi` gives `hi`); None when even a cost of 0 leaves it
+    below (the other costs alone lose more)."""
     base = cfg.model_copy(update={"chips": ANCHOR_CHIPS})
     trace = trace if trace is not None else make_trace(base)
-    target = PUBLISHED[CALIBRATION_COLUMN]
-    if data_parallel(base.model_copy(update={"restart_cost_s": 0.0}), trace).goodput < target:
+    target = PUBLISHED[cell]
+
+    def goodput(x: float) -> float:
+        return cell_goodput(base.model_copy(update={field: x}), trace, cell)
+
+    if goodput(0.0) < target:
         return None
-    lo, hi = 0.0, 3600.0
-    while hi - lo > 0.1:
+    lo = 0.0
+    while hi - lo > precision_s:
         mid = (lo + hi) / 2
-        g = data_parallel(base.model_copy(update={"restart_cost_s": mid}), trace).goodput
-        lo, hi = (mid, hi) if g > target else (lo, mid)
+        lo, hi = (mid, hi) if goodput(mid) > target else (lo, mid)
     return round((lo + hi) / 2, 1)
+
+
+def calibrate(cfg: GoodputSimConfig, trace: FailureTrace | None = None) -> float | None:
+    """`restart_cost_s` at which data-parallel gives its published goodput at 1.2M chips, to
+    0.1 s; None when even a free restart leaves it below."""
+    return implied(cfg, "restart_cost_s", CALIBRATION_COLUMN, trace)
 
 
 def out_of_sample(rows: Sequence[Row]) -> list[Row]:

@@ -34,7 +34,9 @@ from ray_diloco.sim.goodput_sweep import (
     CALIBRATION_COLUMN,
     PUBLISHED,
     calibrate,
+    cell_goodput,
     format_table,
+    implied,
     plot,
     sweep,
 )
@@ -161,6 +163,23 @@ def test_calibration_column_is_pinned_and_the_rest_is_reported():
     # fewer chips lost per failure (docs/goodput.md explains the shape).
     ms = [got[("decoupled", m)] for m in (2, 4, 8, 16)]
     assert ms == sorted(ms) and ms[-1] > ms[0] + 0.05, ms
+
+
+def test_implied_cost_meets_its_cell_or_says_none():
+    # The bisection behind the calibration, on another cell and cost: the re-mesh at which
+    # elastic data-parallel gives its published goodput (docs/goodput.md reports it).
+    cfg = GoodputSimConfig(duration_days=0.25)
+    trace = make_trace(cfg.model_copy(update={"chips": ANCHOR_CHIPS}))
+    cell = ("elastic_dp", 1)
+    remesh = implied(cfg, "reconfig_pause_s", cell, trace, hi=30.0)
+    assert remesh is not None and 0 < remesh < 30
+    met = cell_goodput(cfg.model_copy(update={"reconfig_pause_s": remesh}), trace, cell)
+    assert met == pytest.approx(PUBLISHED[cell], abs=0.005)
+    print(f"re-mesh implied by the published elastic cell: {remesh} s")
+    # A detection alone longer than the stalls data-parallel can afford: no restart is short
+    # enough, and the calibration says so instead of returning 0.
+    slow = cfg.model_copy(update={"detect_s": 120.0})
+    assert implied(slow, "restart_cost_s", CALIBRATION_COLUMN, trace) is None
 
 
 def window_loss(cfg: GoodputSimConfig, diloco: DilocoConfig | None = None) -> float:
@@ -478,6 +497,24 @@ def test_cli_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     bad = ["--set", "goodput_sim.recovery=pareto", "--set", "goodput_sim.recovery_sigma=0.5"]
     assert simulate_goodput_main(bad) == 2
     assert "calibration" in data["meta"] and data["published_vs_simulated"] == []
+
+
+def test_cli_simulates_the_run_configs_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    # diloco.schedule, when a run config sets it, is the simulated schedule; the simulator's
+    # own field stays its default otherwise, and the two set apart is one error line.
+    argv = ["--chips", "4096", "--learners", "2", "--days", "0.05", "--out", str(tmp_path)]
+    assert simulate_goodput_main([*argv, "--set", "diloco.schedule=offer"]) == 0
+    data = json.loads((tmp_path / "goodput_sim.json").read_text())
+    assert data["goodput_sim"]["sync_schedule"] == "offer"
+    assert simulate_goodput_main(argv) == 0
+    data = json.loads((tmp_path / "goodput_sim.json").read_text())
+    assert data["goodput_sim"]["sync_schedule"] == "pull"
+    capsys.readouterr()
+    both = ["--set", "diloco.schedule=offer", "--set", "goodput_sim.sync_schedule=pull"]
+    assert simulate_goodput_main([*argv, *both]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: goodput_sim.sync_schedule=pull")
+    assert "diloco.schedule=offer" in err[0]
 
 
 def test_cli_refuses_a_configuration_in_which_no_round_commits(capsys: pytest.CaptureFixture[str]):
