@@ -19,7 +19,7 @@ from typing import Any
 
 from ray_diloco.config import DilocoConfig, GoodputSimConfig
 from ray_diloco.sim.goodput_jobs import cluster, shrinking
-from ray_diloco.sim.goodput_sim import DecoupledSim, data_parallel, elastic_dp
+from ray_diloco.sim.goodput_sim import PUBLISHED_RULE, DecoupledSim, data_parallel, elastic_dp
 from ray_diloco.sim.goodput_sweep import ANCHOR_CHIPS, PUBLISHED, calibrate, implied
 from ray_diloco.sim.goodput_trace import make_trace
 
@@ -68,7 +68,7 @@ def column(check: Check) -> dict[str, Any]:
         restart = calibrate(cfg, trace)
         assert restart is not None
         cfg = cfg.model_copy(update={"restart_cost_s": restart})
-    diloco = DilocoConfig(**diloco_fields)
+    diloco = DilocoConfig(**{**PUBLISHED_RULE, **diloco_fields})  # the rounds measured
     row: dict[str, Any] = {
         "check": name,
         "setting": setting,

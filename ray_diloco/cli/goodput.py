@@ -33,7 +33,6 @@ from typing import Any
 from ray_diloco.cli.help import parser
 from ray_diloco.config import (
     ConfigError,
-    DilocoConfig,
     RunConfig,
     add_config_args,
     check_output_dir,
@@ -41,7 +40,13 @@ from ray_diloco.config import (
     whole_number,
 )
 from ray_diloco.observe.report import machine
-from ray_diloco.sim.goodput_sim import PRESETS, InfeasibleError, simulate
+from ray_diloco.sim.goodput_sim import (
+    PRESETS,
+    PUBLISHED_METHOD,
+    PUBLISHED_RULE,
+    InfeasibleError,
+    simulate,
+)
 from ray_diloco.sim.goodput_sweep import (
     CALIBRATION_COLUMN,
     CHIPS,
@@ -94,7 +99,9 @@ def _is_sweep(args: argparse.Namespace) -> bool:
 
 def _load(args: argparse.Namespace) -> RunConfig:
     preset = [f"goodput_sim.{k}={v}" for k, v in PRESETS[args.preset].items()]
-    overrides = [*preset, *args.overrides]
+    # Without a run config: the published method's rounds, which the published figure measured
+    published = [f"diloco.{k}={v}" for k, v in PUBLISHED_RULE.items()] if not args.config else []
+    overrides = [*published, *preset, *args.overrides]
     # A single run's flags go through the config so they are validated like any other setting;
     # a sweep sets chips and learners per cell itself.
     if not _is_sweep(args):
@@ -207,7 +214,8 @@ def _write(
         f"{timing['cpu_s']:.1f} s CPU, {timing['wall_s']:.1f} s wall.\n\n```\n{command}\n```\n"
     )
     gs = cfg.goodput_sim
-    default = DilocoConfig().model_dump()
+    # what the rounds simulated differ in from the published method's
+    default = PUBLISHED_METHOD.model_dump()
     changed = [f"diloco.{k}={v}" for k, v in cfg.diloco.model_dump().items() if default[k] != v]
     title = (
         f"Goodput under one failure trace ({args.preset} settings: {gs.learner_mode} learners, "

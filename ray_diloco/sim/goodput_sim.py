@@ -162,6 +162,14 @@ def learner_mtbf_s(cfg: GoodputSimConfig) -> float:
     return cfg.mtbi_chip_days * SECONDS_PER_DAY / chips
 
 
+# The rounds the published figure measured, which the sweep reproduces: the adaptive grace window,
+# a non-contributor's unsent work overwritten by the new version, bases at most 4 versions
+# behind. This project's default keeps unsent work (docs/decisions/022-pulled-rounds.md); a run
+# config's own rule is simulated when one is given.
+PUBLISHED_RULE = {"grace_fraction": 0.5, "keep_unsent_work": False, "max_staleness_versions": 4}
+PUBLISHED_METHOD = DilocoConfig(**PUBLISHED_RULE)
+
+
 def check_feasible(cfg: GoodputSimConfig, diloco: DilocoConfig | None = None) -> None:
     """Raise `InfeasibleError` where restarting learners cannot get their work into rounds: a
     fragment's window (H steps, or what the link allows) at least as long as a learner's mean
@@ -169,7 +177,7 @@ def check_feasible(cfg: GoodputSimConfig, diloco: DilocoConfig | None = None) ->
     their counters die with them. Learners that shrink or wait for a spare keep their state
     through every pause, so their work reaches a round whatever the failure rate (goodput
     then falls like exp(-lambda d), never to a silent 0)."""
-    diloco = diloco or DilocoConfig()
+    diloco = diloco or PUBLISHED_METHOD
     mtbf = learner_mtbf_s(cfg)
     window = cadence(cfg, diloco).window_s
     if cfg.learner_mode == "restart" and window >= mtbf:
@@ -195,7 +203,7 @@ class DecoupledSim:
         sync: SynchronizerConfig | None = None,
     ) -> None:
         self.cfg, self.trace = cfg, trace
-        self.diloco = diloco or DilocoConfig()
+        self.diloco = diloco or PUBLISHED_METHOD
         self.sync = sync or SynchronizerConfig()
         fetch = cadence(cfg, self.diloco).fetch_s
         slices = groups(trace, learner_bounds(trace, cfg.num_learners))

@@ -20,6 +20,8 @@ from ray_diloco.config import ConfigError, DilocoConfig, GoodputSimConfig, load_
 from ray_diloco.sim.goodput_jobs import cluster, groups, shrinking, waiting
 from ray_diloco.sim.goodput_sim import (
     PRESETS,
+    PUBLISHED_METHOD,
+    PUBLISHED_RULE,
     DecoupledSim,
     InfeasibleError,
     check_feasible,
@@ -186,7 +188,7 @@ def window_loss(cfg: GoodputSimConfig, diloco: DilocoConfig | None = None) -> fl
     """The synchronizer's share of every window when nothing fails (docs/goodput.md): the
     steps between a contribution and the adoption of the round it went into are overwritten,
     upload + merge + download out of each window."""
-    cad = cadence(cfg, diloco or DilocoConfig())
+    cad = cadence(cfg, diloco or PUBLISHED_METHOD)
     return (cad.up_s + cfg.merge_s + cad.down_s) / cad.window_s
 
 
@@ -214,7 +216,7 @@ def test_applying_after_the_overlap_loses_tau_steps_a_window():
     # apply_at: overlap holds a new version until tau steps after the learner's offer: the
     # steps overwritten per window become max(transfer + merge, tau x step) = 3.4 s of 40.8.
     cfg = quiet()
-    diloco = DilocoConfig(apply_at="overlap")
+    diloco = DilocoConfig(**PUBLISHED_RULE, apply_at="overlap")
     res = DecoupledSim(cfg, make_trace(cfg), diloco).run()
     tau_s = diloco.overlap_steps * cfg.step_time_s
     loss = max(tau_s, window_loss(cfg) * cadence(cfg, diloco).window_s) / (24 * cfg.step_time_s)
@@ -233,7 +235,7 @@ def test_slower_link_lowers_goodput_by_the_transfer_share():
         assert res.goodput == pytest.approx(1 - window_loss(cfg), abs=0.005), gbps
         got.append(res.goodput)
     assert got[0] - got[1] == pytest.approx(0.044, abs=0.005)
-    assert cadence(quiet(link_gbps=0.5), DilocoConfig()).link_bound
+    assert cadence(quiet(link_gbps=0.5), PUBLISHED_METHOD).link_bound
     assert got[2] < got[1] < got[0]
 
 
@@ -270,7 +272,7 @@ def test_grace_window_gathers_a_pull_and_delays_its_commit(failing):
     # -0.8 points, a 30 s window (tau = 20) -8 (docs/goodput.md).
     cfg, trace = failing
     runs = [
-        DecoupledSim(cfg, trace, DilocoConfig(**d)).run()
+        DecoupledSim(cfg, trace, DilocoConfig(**{**PUBLISHED_RULE, **d})).run()
         for d in (
             dict(grace_fraction=0.0),
             dict(),
@@ -292,7 +294,9 @@ def test_merged_work_never_exceeds_trained_work(failing):
     cfg, trace = failing
     offer = cfg.model_copy(update={"sync_schedule": "offer"})
     runs = {
-        name: DecoupledSim(c, trace, DilocoConfig(keep_unsent_work=keep)).run()
+        name: DecoupledSim(
+            c, trace, DilocoConfig(**{**PUBLISHED_RULE, "keep_unsent_work": keep})
+        ).run()
         for name, c, keep in (
             ("pull", cfg, False),
             ("pull, keep", cfg, True),
