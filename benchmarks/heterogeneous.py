@@ -61,6 +61,9 @@ OFFER_RULE = [
 VARIANTS: dict[str, list[str]] = {
     # The config's defaults: pulled rounds of one, kept unsent work, staleness bound 8.
     "default": [],
+    # ... with rounds of one taking a share of a step each, or rounds of two answers
+    "default, fraction step": ["diloco.round_step=fraction"],
+    "default, K=2": ["diloco.quorum_min=2"],
     "K=8": [*OFFER_RULE, "diloco.quorum_min=8", "diloco.grace_fraction=0"],
     "K=1": [*OFFER_RULE, "diloco.quorum_min=1", "diloco.grace_fraction=0"],
     "K=1 + grace (offer)": OFFER_RULE,

@@ -66,6 +66,10 @@ BEST_2M = "decoupled K=1 grace, contributors, share step"
 VARIANTS: dict[str, tuple[list[str], int, tuple[int, ...]]] = {
     "data_parallel": (["diloco.mode=data_parallel"], 4, SEEDS),
     PULLED: ([], 4, SEEDS),  # the config's defaults, nothing of AS_WRITTEN
+    # ... whose rounds of one learner take a share of a step each (one step a window in all),
+    # or wait for two answers
+    f"{PULLED}, fraction step": (["diloco.round_step=fraction"], 4, SEEDS),
+    f"{PULLED}, K=2": (["diloco.quorum_min=2"], 4, SEEDS),
     "synchronous": (["diloco.mode=synchronous"], 4, SEEDS),
     "decoupled K=M": (["diloco.quorum_min=4"], 4, SEEDS),
     "decoupled K=1 no grace": (["diloco.grace_fraction=0"], 4, SEEDS),
@@ -383,9 +387,10 @@ PLOTTED = {
     "synchronous, mixing alpha 0.25": "synchronous DiLoCo, mixing alpha 0.25",
     "decoupled K=M": "decoupled as written, K = M",
     AS_WRITTEN_K1: "decoupled as written, K = 1 with grace",
-    f"{DEFAULT_K2}, no grace": "the default (sqrt step, mix, int4 both ways, K = 2)",
-    DEFAULT_K2: "the default with the grace window",
-    f"{DEFAULT_K2}, no grace, mean merge": "the default with the plain mean, not RDA",
+    PULLED: "the default (pulled rounds, K = 1, unsent work kept)",
+    f"{DEFAULT_K2}, no grace": "offers, K = 2 (sqrt step, mix, int4 both ways: the former default)",
+    DEFAULT_K2: "the same with the grace window",
+    f"{DEFAULT_K2}, no grace, mean merge": "the same with the plain mean, not RDA",
 }
 # Each row is compared with data-parallel and synchronous DiLoCo of its own width or batch.
 BATCHES = {"": GLOBAL_BATCH, BATCH: BIG_BATCH, BATCH_256: BIGGER_BATCH, BATCH_512: BIGGEST_BATCH}
