@@ -11,6 +11,7 @@ in-process reference run (`ray_diloco.sim.simulate`), which is deterministic for
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -29,6 +30,7 @@ from common import (
     K2,
     MIX,
     NO_GRACE,
+    PULLED,
     QUICK_MODEL,
     REFERENCE,
     both_ways,
@@ -121,16 +123,21 @@ VARIANTS: dict[str, list[str]] = {
     f"{DEFAULT_K2}, no grace": [*K2, *NO_GRACE],
     f"{DEFAULT_K2}, mean merge": [*K2, "diloco.merge=mean"],
     f"{DEFAULT_K2}, no grace, mean merge": [*K2, *NO_GRACE, "diloco.merge=mean"],
+    # jobs/reference.yaml as it stands: the config's defaults, nothing of AS_WRITTEN
+    PULLED: [],
 }
 
 
 def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
+    written = AS_WRITTEN if name != PULLED else []
+    slug = re.sub(r"[^\w=,.-]+", "-", name)  # a path an override can carry
     cfg = load_config(
         CONFIG,
-        [*(QUICK if quick else []), *AS_WRITTEN, *overrides, f"run_dir=/tmp/quality/{name}"],
+        [*(QUICK if quick else []), *written, *overrides, f"run_dir=/tmp/quality/{slug}"],
     )
     t0 = time.perf_counter()
     s = run_reference(cfg)
+    shares = [v["merged_share"] for v in s.get("learners", {}).values()]
     return {
         "variant": name,
         "heldout_loss": s["heldout_loss"],
@@ -140,6 +147,8 @@ def run_variant(name: str, overrides: list[str], quick: bool) -> dict[str, Any]:
         "bytes_per_token": s["bytes_per_token"],
         "dp_bytes_per_token": s["dp_bytes_per_token"],
         "refused": s.get("rejected", {}),  # the synchronizer's refusals, by reason
+        # the lowest learner's share of its trained tokens that reached the global model
+        "merged_share_min": min(shares, default=None),
         "wall_s": time.perf_counter() - t0,
         "evals": s["evals"],
     }
@@ -154,9 +163,10 @@ PLOTTED = {
     "decoupled K=1 grace": "decoupled as written, K = 1 with grace",
     DEFAULT: "as written + sqrt step",
     DEFAULT_ROW: "as written + sqrt step + mix",
-    f"{DEFAULT_K2}, no grace": "the default (sqrt step, mix, int4 both ways, K = 2)",
-    DEFAULT_K2: "the default with the grace window",
-    f"{DEFAULT_K2}, no grace, mean merge": "the default with the plain mean, not RDA",
+    PULLED: "the default (pulled rounds, K = 1, unsent work kept)",
+    f"{DEFAULT_K2}, no grace": "offers, K = 2 (sqrt step, mix, int4 both ways: the former default)",
+    DEFAULT_K2: "the same with the grace window",
+    f"{DEFAULT_K2}, no grace, mean merge": "the same with the plain mean, not RDA",
 }
 
 

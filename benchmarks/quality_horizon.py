@@ -459,7 +459,8 @@ def run_one(job: tuple[str, list[str], int, int, bool]) -> dict[str, Any]:
     name, overrides, num, seed, quick = job
     cache_compilations()
     batch = global_batch(name)
-    cfg = horizon_config(overrides, num, seed, quick, batch, SAME_SPEED in name, name != PULLED)
+    as_written = not name.startswith(PULLED)  # the default's rows start from the defaults
+    cfg = horizon_config(overrides, num, seed, quick, batch, SAME_SPEED in name, as_written)
     t0 = time.perf_counter()
     s = run_reference(cfg)
     # Steps of the fastest learner (data-parallel: its one learner, the whole global batch).

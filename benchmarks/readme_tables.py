@@ -52,6 +52,12 @@ def _refused(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {reason}" for reason, n in counts.items()) or "0"
 
 
+def _merged(r: dict[str, Any]) -> str:
+    # rows measured before the benchmarks recorded merged shares have none
+    share = r.get("merged_share_min")
+    return "-" if share is None else f"{share:.3f}"
+
+
 def quality(data: dict[str, Any]) -> str:
     rows = [
         {
@@ -63,6 +69,7 @@ def quality(data: dict[str, Any]) -> str:
             "bytes/token": f"{r['bytes_per_token']:.4g}",
             # the earliest rows were run before the benchmark recorded the refusals
             "refused": _refused(r["refused"]) if "refused" in r else "not recorded",
+            "merged share (min)": _merged(r),
         }
         for r in data["rows"]
     ]
@@ -84,6 +91,7 @@ def quality_horizon(data: dict[str, Any]) -> str:
             ),
             "contributors/round": f"{r['mean_contributors']:.3g}" if r["rounds"] else "-",
             "refused": _refused(r["refused"]),
+            "merged share (min)": _merged(r),
         }
         for r in data["rows"]
     ]
