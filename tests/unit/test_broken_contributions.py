@@ -14,7 +14,7 @@ import pytest
 
 from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
-from ray_diloco.algorithm.sync_core import SynchronizerCore
+from ray_diloco.algorithm.sync_core import Publication, SynchronizerCore
 from ray_diloco.config import load_config
 from tests.sync_helpers import TINY, tiny_core
 
@@ -165,13 +165,18 @@ def test_replayed_contribution_is_refused_and_the_ledger_counts_its_tokens_once(
     assert core.rejected == {"replayed": 1}
 
 
-def test_late_contributions_dropped_by_policy_are_counted_as_refused() -> None:
-    core = _core("diloco.late_policy=drop")
+def _merging(core: SynchronizerCore) -> Publication:
+    """A round of `a`'s offer on base 0, merged and not yet committed."""
     assert core.offer(_meta("a"), wire.encode_tree(_delta(core), "bfloat16"), 0.1) is (
         Verdict.ACCEPTED
     )
     (close,) = core.close_due(now=0.2)
-    pub = core.merge(close)
+    return core.merge(close)
+
+
+def test_late_contributions_dropped_by_policy_are_counted_as_refused() -> None:
+    core = _core("diloco.late_policy=drop")
+    pub = _merging(core)
     late = _meta("b")  # arrives while the round of its base merges
     assert core.offer(late, wire.encode_tree(_delta(core), "bfloat16"), 0.3) is Verdict.ACCEPTED
     assert core.commit(pub, now=0.4) == [late]
@@ -264,11 +269,7 @@ def test_work_refused_twice_on_one_base_is_lost_once() -> None:
 
 def test_work_refused_then_merged_on_its_base_is_not_lost() -> None:
     core = _core("diloco.late_policy=drop")
-    assert core.offer(_meta("a"), wire.encode_tree(_delta(core), "bfloat16"), 0.1) is (
-        Verdict.ACCEPTED
-    )
-    (close,) = core.close_due(now=0.2)
-    pub = core.merge(close)
+    pub = _merging(core)
     late = _meta("b")  # arrives while the round of its base merges: dropped at its commit
     assert core.offer(late, wire.encode_tree(_delta(core), "bfloat16"), 0.3) is Verdict.ACCEPTED
     core.commit(pub, now=0.4)
