@@ -128,6 +128,8 @@ def config_tree(setting: dict[str, Any], data_dir: str, mesh: dict[str, int]) ->
             "sync_every": setting["sync_every"],
             "num_fragments": setting["num_fragments"],
             "quorum_min": 1,
+            # fragments fall due on the learner's own count: the hand-off this measures
+            "schedule": "offer",
         },
         "learners": [
             {
