@@ -100,6 +100,10 @@ def chaos_tree(
             "num_fragments": 2,
             "overlap_steps": 1,
             "quorum_min": 1,
+            # Two learners, as the cluster jobs: an answer's base is at most a round behind, and
+            # work a slowed link delivers past 4 versions is refused, so the learner is seen
+            # starving (at the default 8 a 4 s slow link let late work merge, unnoticed).
+            "max_staleness_versions": 4,
         },
         "learners": [us, eu],
         "links": {REGIONS["eu"]: {"bandwidth_gbps": 0.05, "latency_ms": 20}},
