@@ -629,6 +629,48 @@ def synchronizer_scale(data: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def mutation(data: dict[str, Any]) -> str:
+    """Per file, then every survivor with its verdict."""
+    m = data["meta"]
+    rows = [
+        {
+            "file": f"`{r['file']}`",
+            "mutants": str(r["mutants"]),
+            "caught (failing test / timeout / mypy)": (
+                f"{r['killed'] + r['timeout'] + r['type_check']} "
+                f"({r['killed']} / {r['timeout']} / {r['type_check']})"
+            ),
+            "survived": str(r["survived"]),
+            "no test reaches it": str(r["no_tests"]),
+            "score": f"{r['score']:.1%}",
+        }
+        for r in data["rows"]
+    ]
+    rows.append(
+        {
+            "file": "**all**",
+            "mutants": str(m["mutants"]),
+            "caught (failing test / timeout / mypy)": str(m["caught"]),
+            "survived": str(sum(r["survived"] for r in data["rows"])),
+            "no test reaches it": str(sum(r["no_tests"] for r in data["rows"])),
+            "score": f"**{m['score']:.1%}** ({m['score_without_equivalent']:.1%} without the "
+            f"{m['equivalent']} equivalent)",
+        }
+    )
+    # a pipe inside a cell would end it
+    survivors = [
+        {
+            "mutant": f"`{s['mutant'].removeprefix('ray_diloco.algorithm.')}`",
+            "change": "<br>".join(f"`{line.strip()}`" for line in s["change"]).replace("|", r"\|"),
+            "verdict": s["verdict"].replace("|", r"\|"),
+        }
+        for s in m["survivors"]
+    ]
+    return "\n\n".join(
+        [markdown_table(rows, list(rows[0])), markdown_table(survivors, list(survivors[0]))]
+    )
+
+
 # The plots each results page shows under its table (files in benchmarks/results/).
 PLOTS: dict[str, list[str]] = {
     "quality": ["quality.png"],
@@ -666,6 +708,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "synchronizer": synchronizer,
     "synchronizer_scale": synchronizer_scale,
     "sharded_learner": sharded_learner,
+    "mutation": mutation,
 }
 
 

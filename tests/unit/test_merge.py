@@ -204,3 +204,45 @@ def test_rda_keeps_a_small_but_real_direction() -> None:
     d2 = np.array([-1.0, 0.002], np.float32)
     out = rda([d1, d2], [1.0, 1.0])
     np.testing.assert_allclose(out, [0.0, 1.0], atol=2e-3)
+
+
+def test_finite_values_whose_squared_norm_overflows_are_finite() -> None:
+    # 1e20 squared overflows float64's sum of squares; element by element it is finite.
+    assert all_finite({"a": np.array([1e20, -1e20])})
+    assert not all_finite({"a": np.array([1e20, np.inf])})
+
+
+def test_an_rda_scale_of_exactly_two_is_applied() -> None:
+    # One delta of norm 2: RDA's mean norm is 2 and its direction a unit vector, so the leaf's
+    # scale is exactly 2.0, which must still multiply the direction.
+    out = rda([np.array([0.0, 2.0])], [1.0])
+    np.testing.assert_allclose(out, [0.0, 2.0])
+    assert out.dtype == np.float32
+
+
+def test_leaves_keep_their_shape_and_float32() -> None:
+    deltas = [np.ones((2, 3)), np.full((2, 3), 3.0)]
+    mean = weighted_mean(deltas, [1.0, 1.0])
+    assert mean.shape == (2, 3) and mean.dtype == np.float32
+    np.testing.assert_allclose(mean, np.full((2, 3), 2.0))
+    # cancelling deltas: the zero leaf, float32 like every other
+    zero = rda([np.array([[1.0, 0.0]]), np.array([[-1.0, 0.0]])], [1.0, 1.0])
+    assert zero.shape == (1, 2) and zero.dtype == np.float32 and not zero.any()
+
+
+def test_rda_uses_the_norms_it_is_given() -> None:
+    # The synchronizer hands RDA the squared norms its guard measured: they set the mean norm
+    # (here 4x the true squared norms, so the result is twice as long), and a list that does
+    # not match the contributions is refused.
+    from ray_diloco.algorithm.merge import leaf_sq_distances, scaled_outer_gradient
+
+    g = {"w": np.zeros(2, np.float32)}
+    contributions = [({"w": np.array([-3.0, 0.0], np.float32)}, 1.0)]
+    true = [leaf_sq_distances(g, theta) for theta, _ in contributions]
+    ((array, scale),) = scaled_outer_gradient(g, contributions, (), "rda", true).values()
+    np.testing.assert_allclose(array * scale, [3.0, 0.0])
+    given = [{"w": 4 * sq["w"]} for sq in true]
+    ((array, scale),) = scaled_outer_gradient(g, contributions, (), "rda", given).values()
+    np.testing.assert_allclose(array * scale, [6.0, 0.0])
+    with pytest.raises(ValueError):
+        scaled_outer_gradient(g, contributions, (), "rda", true * 2)

@@ -540,3 +540,51 @@ def test_abort_returns_contributions_and_state_round_trips():
     assert restored.live(now=5.0) == set()  # must re-register after a restart
     restored.register("a", 0, now=5.0)
     assert restored.live(now=5.0) == {"a"}
+
+
+def test_the_roster_survives_a_restart_and_a_checkpoint_must_match_the_fragments():
+    book = RoundBook(policy(quorum_min=2), num_fragments=1, roster={"a", "b", "c"})
+    for n in ("a", "b", "c"):
+        book.register(n, 0, now=0.0)
+    book.leave("c", now=1.0)
+    state = json.loads(json.dumps(book.state_dict()))
+    # the restarted synchronizer starts from the job's learners; the checkpoint knows c left
+    restored = RoundBook(book.policy, num_fragments=1, roster={"a", "b", "c"})
+    restored.load_state_dict(state, now=2.0)
+    assert restored.roster == {"a", "b"}
+    # a run without a roster (decoupled, open membership) keeps none
+    open_book = RoundBook(book.policy, num_fragments=1)
+    open_book.load_state_dict(state, now=2.0)
+    assert open_book.roster is None
+    with pytest.raises(ValueError):
+        RoundBook(book.policy, num_fragments=2).load_state_dict(state, now=2.0)
+
+
+def test_an_abort_carries_all_of_its_work_into_a_newer_base_offer():
+    # a's offer on base 0 merges into version 2; meanwhile a took version 1 and offered 3 steps
+    # on it. The merge fails: all 4 of the aborted offer's steps are carried by the base-1 entry,
+    # so a later base-1 offer (5 steps since base 1) stands for 9.
+    book = book_with(["a"], policy(grace_max_s=0.0, max_staleness_versions=5))
+    book.fragments[0].version = 1
+    book.offer(meta("a", base=0, steps=4, tokens=400, step=4), now=0.0)
+    (close,) = book.poll(now=0.0)
+    book.offer(meta("a", base=1, steps=3, tokens=300, step=7), now=0.5)
+    book.abort(close, now=1.0)
+    entry = book.fragments[0].pending["a"]
+    assert (entry.num_steps, entry.num_tokens) == (7, 700)
+    book.offer(meta("a", base=1, steps=5, tokens=500, step=9), now=2.0)
+    entry = book.fragments[0].pending["a"]
+    assert (entry.num_steps, entry.num_tokens) == (9, 900)
+
+
+def test_an_abort_puts_back_every_contribution_after_a_restarted_one():
+    book = book_with(["a", "b"], policy(quorum_min=2, grace_max_s=0.0))
+    book.offer(meta("a"), now=0.0)
+    book.offer(meta("b"), now=0.0)
+    (close,) = book.poll(now=0.0)
+    assert [c.meta.learner for c in close.contributions] == ["a", "b"]
+    book.register("a", 1, now=0.5)  # a restarted while its work merged
+    book.abort(close, now=1.0)
+    frag = book.fragments[0]
+    assert [e.meta.learner for e in frag.kept] == ["a"]
+    assert list(frag.pending) == ["b"]
