@@ -636,13 +636,14 @@ def mutation(data: dict[str, Any]) -> str:
         {
             "file": f"`{r['file']}`",
             "mutants": str(r["mutants"]),
+            "not checked yet": str(r["not_checked"]),
             "caught (failing test / timeout / mypy)": (
                 f"{r['killed'] + r['timeout'] + r['type_check']} "
                 f"({r['killed']} / {r['timeout']} / {r['type_check']})"
             ),
             "survived": str(r["survived"]),
             "no test reaches it": str(r["no_tests"]),
-            "score": f"{r['score']:.1%}",
+            "score (of those checked)": "-" if r["score"] is None else f"{r['score']:.1%}",
         }
         for r in data["rows"]
     ]
@@ -650,11 +651,12 @@ def mutation(data: dict[str, Any]) -> str:
         {
             "file": "**all**",
             "mutants": str(m["mutants"]),
+            "not checked yet": str(m["mutants"] - m["checked"]),
             "caught (failing test / timeout / mypy)": str(m["caught"]),
             "survived": str(sum(r["survived"] for r in data["rows"])),
             "no test reaches it": str(sum(r["no_tests"] for r in data["rows"])),
-            "score": f"**{m['score']:.1%}** ({m['score_without_equivalent']:.1%} without the "
-            f"{m['equivalent']} equivalent)",
+            "score (of those checked)": f"**{m['score']:.1%}** "
+            f"({m['score_without_equivalent']:.1%} without the {m['equivalent']} equivalent)",
         }
     )
     # a pipe inside a cell would end it

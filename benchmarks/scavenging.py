@@ -20,6 +20,7 @@ Ray pair `--ray-repeats` times, 3 by default: its wall-clock schedule varies bet
 from __future__ import annotations
 
 import itertools
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -51,10 +52,12 @@ def reference_tree(mode: str, quick: bool) -> dict[str, Any]:
     return base.model_dump(mode="json")
 
 
-def config(mode: str, extra: int, base_s: float, quick: bool) -> RunConfig:
+def config(mode: str, extra: int, base_s: float, quick: bool, runs: Path) -> RunConfig:
+    """`runs`: the directory of this invocation's run dirs (a run dir holding a finished run
+    is refused, never overwritten)."""
     tree = reference_tree(mode, quick)
     tree["elastic"]["schedule"] = window(tree["learners"][0], extra, base_s)
-    tree["run_dir"] = f"/tmp/scavenging/{mode}-{extra}"
+    tree["run_dir"] = str(runs / f"{mode}-{extra}")
     return build_config(tree, f"scavenging {mode} +{extra}")
 
 
@@ -86,7 +89,7 @@ def whole_run_batches(quick: bool) -> tuple[int, int]:
     return reference_tree("decoupled", quick)["learners"][0]["batch_size"], 2
 
 
-def whole_run_config(mode: str, batch: int, learners: int, quick: bool) -> RunConfig:
+def whole_run_config(mode: str, batch: int, learners: int, quick: bool, runs: Path) -> RunConfig:
     tree = reference_tree(mode, quick)
     ref = tree["learners"]
     copies = [(ref[i % len(ref)], i // len(ref)) for i in range(learners)]
@@ -95,7 +98,7 @@ def whole_run_config(mode: str, batch: int, learners: int, quick: bool) -> RunCo
     tree["learners"] = [
         r | {"name": r["name"] + (f"{n + 1}" if n else ""), "batch_size": batch} for r, n in copies
     ]
-    tree["run_dir"] = f"/tmp/scavenging/whole-{mode}-{batch}x{learners}"
+    tree["run_dir"] = str(runs / f"whole-{mode}-{batch}x{learners}")
     return build_config(tree, f"scavenging {mode}, {learners} learners of batch {batch}")
 
 
@@ -213,10 +216,10 @@ RAY_RUN = [
 ]
 
 
-def ray_config(extra: int, base_s: float, where: str) -> RunConfig:
+def ray_config(extra: int, base_s: float, where: Path) -> RunConfig:
     """The Ray run's setting: `extra` temporary learners join at 25% and leave at 75% of a
     base run lasting `base_s`; `where` names the run directory."""
-    base = load_config(RAY_CONFIG, [*RAY_RUN, f"run_dir=/tmp/scavenging/{where}-{extra}"])
+    base = load_config(RAY_CONFIG, [*RAY_RUN, f"run_dir={where}-{extra}"])
     tree = base.model_dump(mode="json")
     learner = {"batch_size": 8, "jitter": 0.1}
     tree["learners"] = [learner | {"name": f"base-{i}"} for i in range(4)]
@@ -224,7 +227,7 @@ def ray_config(extra: int, base_s: float, where: str) -> RunConfig:
     return build_config(tree, f"scavenging on Ray +{extra}")
 
 
-def ray_setting_pair(on_ray: bool) -> dict[int, dict[str, Any]]:
+def ray_setting_pair(on_ray: bool, where: Path) -> dict[int, dict[str, Any]]:
     """The Ray setting's base run and +100%, the window on the base run's duration: on an
     embedded local Ray (a real join: boot, placement, registration; wall clock), or in-process
     on the virtual clock (what the setting gives without 2 cores shared by 8 learners, a
@@ -232,9 +235,9 @@ def ray_setting_pair(on_ray: bool) -> dict[int, dict[str, Any]]:
     if on_ray:
         from ray_diloco.runtime.driver import run_training as train
 
-        where, clock = "ray", "wall_time_s"
+        clock = "wall_time_s"
     else:
-        train, where, clock = run, "ray-in-process", "virtual_time_s"
+        train, clock = run, "virtual_time_s"
     base = train(ray_config(0, 0.0, where))
     return {0: base, 100: train(ray_config(EXTRA[100], base[clock], where))}
 
@@ -295,26 +298,31 @@ def main() -> None:
         help="how many times the Ray pair runs (its wall-clock schedule varies between runs)",
     )
     args = p.parse_args()
+    runs = Path(tempfile.mkdtemp(prefix="scavenging-"))
     results: dict[tuple[str, int], dict[str, Any]] = {}
     modes = ("data_parallel", "decoupled")
     with ProcessPoolExecutor(args.jobs) as pool:
-        bases = {m: pool.submit(run, config(m, 0, 0.0, args.quick)) for m in modes}
+        bases = {m: pool.submit(run, config(m, 0, 0.0, args.quick, runs)) for m in modes}
         # 4 learners at the reference's batch: the +0% run, reused below
         ref_batch, small = whole_run_batches(args.quick)
         whole_keys = [
             (m, b, n) for m in modes for b in (ref_batch, small) for n in WHOLE_RUN_LEARNERS
         ]
         whole_jobs = {
-            key: pool.submit(run, whole_run_config(*key, args.quick))
+            key: pool.submit(run, whole_run_config(*key, args.quick, runs))
             for key in whole_keys
             if key[1:] != (ref_batch, 4)
         }
-        twin = pool.submit(ray_setting_pair, on_ray=False) if args.ray else None
+        twin = (
+            pool.submit(ray_setting_pair, on_ray=False, where=runs / "ray-in-process")
+            if args.ray
+            else None
+        )
         for m in modes:
             results[(m, 0)] = bases[m].result()
         jobs = {
             (m, extra): pool.submit(
-                run, config(m, n, results[(m, 0)]["virtual_time_s"], args.quick)
+                run, config(m, n, results[(m, 0)]["virtual_time_s"], args.quick, runs)
             )
             for m in modes
             for extra, n in EXTRA.items()
@@ -344,30 +352,37 @@ def main() -> None:
                 twin.result(),
                 "virtual_time_s",
             )
+    name = "scavenging-quick" if args.quick else "scavenging"
+    meta = {
+        "config": REFERENCE.name,
+        "quick": args.quick,
+        "window": WINDOW,
+        "target_at_budget_fraction": TARGET_AT,
+        "num_evals": NUM_EVALS,
+        "whole_run": whole_run_rows(whole),
+    }
+    # Written now and again after each Ray pair: a Ray run that fails keeps what ran before.
+    save(results, rows, args.out, name, meta)
     for i in range(args.ray_repeats if args.ray else 0):
         rows += rows_for(
             f"decoupled on Ray{RUN_SUFFIX}{i + 1}",
             PUBLISHED["decoupled"],
-            ray_setting_pair(on_ray=True),
+            ray_setting_pair(on_ray=True, where=runs / f"ray-{i + 1}"),
             "wall_time_s",
         )
-    name = "scavenging-quick" if args.quick else "scavenging"
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, rows, args.out, name)
-    write_results(
-        args.out,
-        name,
-        rows,
-        list(rows[0]),
-        {
-            "config": REFERENCE.name,
-            "quick": args.quick,
-            "window": WINDOW,
-            "target_at_budget_fraction": TARGET_AT,
-            "num_evals": NUM_EVALS,
-            "whole_run": whole_run_rows(whole),
-        },
-    )
+        save(results, rows, args.out, name, meta)
+
+
+def save(
+    results: dict[tuple[str, int], dict[str, Any]],
+    rows: list[dict[str, Any]],
+    out: Path,
+    name: str,
+    meta: dict[str, Any],
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, rows, out, name)
+    write_results(out, name, rows, list(rows[0]), meta)
 
 
 if __name__ == "__main__":
