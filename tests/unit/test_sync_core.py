@@ -166,3 +166,30 @@ def test_a_broken_offer_claiming_no_tokens_loses_none() -> None:
     bigger = dataclasses.replace(meta, num_tokens=4 * TOKENS_PER_STEP)
     assert core.offer(bigger, delta, now=0.0) is Verdict.MALFORMED
     assert core.rejected_tokens == 4 * TOKENS_PER_STEP
+
+
+def test_a_restore_before_any_round_keeps_version_0_exact() -> None:
+    # Version 0 is the float32 initialisation every learner starts from, bit for bit; a
+    # restored core must not round it to the dtype later versions are kept in (bfloat16).
+    core = _core()
+    restored = tiny_core(core.cfg)
+    restored.load_state_dict(core.state_dict(), now=1.0)
+    for k, v in core.published[0][0].items():
+        kept = restored.published[0][0][k]
+        assert kept.dtype == np.float32
+        np.testing.assert_array_equal(kept, v)
+
+
+def test_a_leave_lets_the_round_it_held_back_reach_its_quorum_then() -> None:
+    core = _core("diloco.quorum_min=2")
+    assert _offer(core, "a", 0, 4, now=0.0) is Verdict.ACCEPTED
+    assert core.book.fragments[0].quorum_s is None  # K = 2: waits for b
+    core.leave("b", now=0.5)
+    assert core.book.fragments[0].quorum_s == 0.5  # K falls to the one learner left
+    assert [p.version for p in core.poll(now=0.5)] == [1]
+
+
+def test_a_learner_that_leaves_before_it_registered_changes_nothing() -> None:
+    core = _core()
+    assert core.leave("never-registered", now=1.0) == []
+    assert set(core.bases[0]) == {"a", "b"}
