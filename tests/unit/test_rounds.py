@@ -588,3 +588,15 @@ def test_an_abort_puts_back_every_contribution_after_a_restarted_one():
     frag = book.fragments[0]
     assert [e.meta.learner for e in frag.kept] == ["a"]
     assert list(frag.pending) == ["b"]
+
+
+def test_a_fragment_merging_closes_no_second_round():
+    book = book_with(["a", "b"], policy(grace_max_s=0.0))
+    book.offer(meta("a"), now=0.0)
+    (close,) = book.poll(now=0.0)
+    assert book.fragments[0].merging
+    book.offer(meta("b"), now=0.1)  # waits for the merge to commit
+    assert book.poll(now=0.2) == []
+    book.commit(close, sync_time_s=0.0, now=0.3)
+    (again,) = book.poll(now=0.3)
+    assert [c.meta.learner for c in again.contributions] == ["b"]

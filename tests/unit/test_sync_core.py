@@ -93,9 +93,9 @@ def test_an_offer_that_waited_while_g_moved_merges_as_if_it_came_after(anchor: s
         core = _core(f"diloco.outer_anchor={anchor}")
         _offer(core, "a", 0, 4, now=0.0, size=0.02)
         (close,) = core.close_due(now=0.0)
-        pub = core.merge(close, sync_time_s=0.0)
-        if late:
+        if late:  # after the round closed, before its merge moved G
             assert _offer(core, "b", 0, 4, now=0.1, size=-0.01) is Verdict.ACCEPTED
+        pub = core.merge(close, sync_time_s=0.0)
         core.commit(pub, now=0.2)
         if not late:
             assert _offer(core, "b", 0, 4, now=0.2, size=-0.01) is Verdict.ACCEPTED
