@@ -29,6 +29,17 @@ def tiny_core(cfg: RunConfig) -> SynchronizerCore:
     return SynchronizerCore(cfg, setup.plan, setup.init)
 
 
+def registered_core(
+    cfg: RunConfig, learners: tuple[str, ...], tokens_per_step: int
+) -> SynchronizerCore:
+    """`tiny_core` with `learners` registered at t = 0, each having reported a 0.1 s step."""
+    core = tiny_core(cfg)
+    for name in learners:
+        core.register(name, 0, now=0.0, tokens_per_step=tokens_per_step)
+        core.report(name, 0, now=0.0, step_time_s=0.1, cursor=0)
+    return core
+
+
 def resume_without_learners(core: SynchronizerCore, published: Mapping[int, int]) -> int:
     """Recovery after a restore with no learner to hand a value over: `published` holds the
     highest version of each fragment delivered before the restart. Where that is newer than

@@ -16,17 +16,14 @@ from ray_diloco.algorithm import wire
 from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
 from ray_diloco.algorithm.sync_core import Publication, SynchronizerCore
 from ray_diloco.config import load_config
-from tests.sync_helpers import TINY, tiny_core
+from tests.sync_helpers import TINY, registered_core
 
 TOKENS_PER_STEP = 64
 
 
 def _core(*overrides: str) -> SynchronizerCore:
-    core = tiny_core(load_config(None, [*TINY, "diloco.max_staleness_versions=3", *overrides]))
-    for name in ("a", "b"):
-        core.register(name, 0, now=0.0, tokens_per_step=TOKENS_PER_STEP)
-        core.report(name, 0, now=0.0, step_time_s=0.1, cursor=0)
-    return core
+    cfg = load_config(None, [*TINY, "diloco.max_staleness_versions=3", *overrides])
+    return registered_core(cfg, ("a", "b"), TOKENS_PER_STEP)
 
 
 def _delta(core: SynchronizerCore, fragment: int = 0, size: float = 0.01) -> dict[str, np.ndarray]:

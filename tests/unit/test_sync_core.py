@@ -15,17 +15,13 @@ from ray_diloco.algorithm.merge import token_weight
 from ray_diloco.algorithm.round_types import ContributionMeta, Verdict
 from ray_diloco.algorithm.sync_core import SynchronizerCore
 from ray_diloco.config import load_config
-from tests.sync_helpers import TINY, tiny_core
+from tests.sync_helpers import TINY, registered_core, tiny_core
 
 TOKENS_PER_STEP = 64
 
 
 def _core(*overrides: str, learners: tuple[str, ...] = ("a", "b")) -> SynchronizerCore:
-    core = tiny_core(load_config(None, [*TINY, *overrides]))
-    for name in learners:
-        core.register(name, 0, now=0.0, tokens_per_step=TOKENS_PER_STEP)
-        core.report(name, 0, now=0.0, step_time_s=0.1, cursor=0)
-    return core
+    return registered_core(load_config(None, [*TINY, *overrides]), learners, TOKENS_PER_STEP)
 
 
 def _offer(
