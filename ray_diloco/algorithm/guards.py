@@ -28,14 +28,16 @@ def implausible(
     meta: ContributionMeta, tokens_per_step: int | None, max_tokens: int | None
 ) -> bool:
     """Counters no honest learner sends: more steps since its base than it took in all, more
-    tokens than its steps can read, or more work than the whole run's budget (the norm guard
+    tokens than its steps can read, or more work than the whole run's budget and the one step
+    that crosses it (a learner stops once its own count reaches the budget; the norm guard
     divides by the steps, and the merge weighs by the tokens: neither may be inflated at will)."""
     if meta.num_steps > meta.step:
         return True
     if tokens_per_step is not None and meta.num_tokens > meta.num_steps * tokens_per_step:
         return True
-    work = max(meta.num_tokens, meta.num_steps * (tokens_per_step or 0))
-    return max_tokens is not None and work > max_tokens
+    step = tokens_per_step or 0
+    work = max(meta.num_tokens, meta.num_steps * step)
+    return max_tokens is not None and work > max_tokens + step
 
 
 def _history(values: Iterable[float] = ()) -> deque[float]:

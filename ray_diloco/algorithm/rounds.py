@@ -315,6 +315,23 @@ class RoundBook:
                 closes.append(self._close(p, frag, now, len(live | entered)))
         return closes
 
+    def close_all(self, now: float) -> list[RoundClose]:
+        """The run's end: close every round that holds work, whatever its quorum and grace
+        (the learners have stopped and handed in their unsent work; no offer comes after)."""
+        live = self.live(now)
+        closes: list[RoundClose] = []
+        for p, frag in self.fragments.items():
+            if frag.merging or p in self.held or not (frag.pending or frag.kept):
+                continue
+            if frag.quorum_s is None:
+                frag.quorum_s, frag.grace_s = now, 0.0
+            closes.append(self._close(p, frag, now, len(live | self._in(frag))))
+        return closes
+
+    def open_work(self) -> bool:
+        """Some round holds work or is merging (what the end of a run waits for)."""
+        return any(f.merging or f.pending or f.kept for f in self.fragments.values())
+
     def next_deadline(self) -> float | None:
         """The earliest time a grace window expires: when the caller should poll next."""
         deadlines = [

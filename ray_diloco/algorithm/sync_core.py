@@ -309,6 +309,11 @@ class SynchronizerCore:
     def close_due(self, now: float, limit: int | None = None) -> list[RoundClose]:
         return self.book.poll(now, limit)
 
+    def close_final(self, now: float) -> list[RoundClose]:
+        """The final rounds: every fragment's held work, whatever its quorum (`RoundBook.
+        close_all`), merged like any other round."""
+        return self.book.close_all(now)
+
     def merge(self, close: RoundClose, sync_time_s: float | None = None) -> Publication:
         """Token-weighted merge and outer step of one closed round. Touches only fragment
         `close.fragment`, whose round book entry is marked merging, so callers may run it

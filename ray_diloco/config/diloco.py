@@ -73,6 +73,14 @@ class DilocoConfig(_Frozen):
     )
     int4_block_size: int = Field(64, ge=2, description="elements per scale, int4 and int2")
 
+    @property
+    def final_rounds(self) -> bool:
+        """A run on Ray ends with final rounds: at the budget every learner hands in its
+        unsent work and each fragment merges it in one last round (docs/decisions/
+        031-final-rounds.md). Decoupled mode only: a synchronous round is the barrier the
+        in-process reference stops at, step for step, and a run reproduces it."""
+        return self.mode == "decoupled"
+
     @model_validator(mode="before")
     @classmethod
     def _decoupled_defaults(cls, data: Any) -> Any:

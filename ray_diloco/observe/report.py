@@ -125,6 +125,14 @@ def _lowest_share(s: Mapping[str, Any]) -> str:
     return f" (lowest: {name} {100 * shares[name]:.1f}%)"
 
 
+def _final_rounds(s: Mapping[str, Any]) -> str:
+    f = s["final_rounds"]
+    return (
+        f"{f['rounds']:,}; at the budget held-out {f['heldout_loss_before']:.4f}, "
+        f"{100 * f['merged_share_before']:.1f}% merged"
+    )
+
+
 # (key, measure, the value with its unit): one row each where the key has a figure.
 SUMMARY_ROWS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = (
     ("mode", "mode", lambda s: str(s["mode"])),
@@ -157,6 +165,7 @@ SUMMARY_ROWS: tuple[tuple[str, str, Callable[[Mapping[str, Any]], str]], ...] = 
         "trained tokens merged",
         lambda s: f"{100 * s['merged_share']:.1f}%" + _lowest_share(s),
     ),
+    ("final_rounds", "final rounds (unsent work)", _final_rounds),
     ("uptime", "uptime", lambda s: f"{100 * s['uptime']:.1f}%"),
     ("tokens_per_s", "throughput (whole run)", lambda s: f"{human(s['tokens_per_s'])} tokens/s"),
     (

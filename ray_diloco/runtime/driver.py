@@ -320,7 +320,9 @@ class _Run:
 
     def _finish(self, reason: str) -> dict[str, Any]:
         """Stop the learners (through the supervisor), evaluate once more, write the summary."""
-        ray.get(self.sup.finish.remote(reason), timeout=60)
+        assert self.sync is not None
+        over = self.sync.status(NO_EVENTS, 120).finished  # the learners hand in their work
+        ray.get(self.sup.finish.remote(reason, over), timeout=60)
         deadline = time.monotonic() + 2 * STOP_TIMEOUT_S
         while not (sup := ray.get(self.sup.status.remote(), timeout=120)).done:
             if time.monotonic() > deadline:
@@ -329,10 +331,22 @@ class _Run:
             logger.info("waiting for the supervisor to stop the learners")
             time.sleep(0.2)
         self.done = True
-        assert self.sync is not None
+        at_budget: tuple[SynchronizerStatus, float] | None = None
+        if self.cfg.diloco.final_rounds:
+            # The global model as the budget left it, then with the learners' last work.
+            at_budget = self.sync.status(NO_EVENTS, 120), self.sync.evaluate(300)
+            merged = self.sync.final_rounds(120)
+            logger.info("final rounds: %d merged the learners' last work", merged)
         loss = self.sync.evaluate(300)
         st, _ = self._poll()
         summary = _summary(self.cfg, st, sup, loss, self.t0)
+        if at_budget is not None:
+            before, loss_before = at_budget
+            summary["final_rounds"] = {
+                "rounds": st.rounds - before.rounds,
+                "heldout_loss_before": loss_before,
+                "merged_share_before": _merged_share(before),
+            }
         summary["stop_reason"] = reason
         write_json(self.run_dir / "summary.json", summary)
         return summary
@@ -373,6 +387,13 @@ def _wait_name_released(name: str, namespace: str, timeout_s: float = 10.0) -> N
             return
         time.sleep(0.1)
     logger.warning("actor %s/%s still registered %.0f s after kill", namespace, name, timeout_s)
+
+
+def _merged_share(st: SynchronizerStatus) -> float:
+    """Tokens of every learner's work that reached the global model over the tokens trained."""
+    if not (st.tokens and st.versions):
+        return 0.0
+    return sum(st.tokens_merged.values()) / (len(st.versions) * st.tokens)
 
 
 def _summary(
@@ -422,11 +443,7 @@ def _summary(
         # Only the training time whose work reached the global model counts as productive.
         "goodput_merged": sup.goodput
         * (sum(trained[n] * shares.get(n, 0.0) for n in names) / busy if busy else 0.0),
-        "merged_share": (
-            sum(st.tokens_merged.values()) / (len(st.versions) * tokens)
-            if tokens and st.versions
-            else 0.0
-        ),
+        "merged_share": _merged_share(st),
         "uptime": sup.uptime,
         "uptime_window_s": sup.uptime_window_s,
         "num_failures": sup.num_failures,
@@ -453,4 +470,3 @@ def _summary(
             for n in names
         },
     }
-

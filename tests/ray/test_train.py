@@ -129,10 +129,10 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
     assert summary["tokens"] >= 40000 and summary["rounds"] > 0
     assert summary["ledger_violations"] == []
     shares = {k: v["merged_share"] for k, v in summary["learners"].items()}
-    # Not near 1: the work since each fragment's last round is unmerged when the budget stops
-    # the run, and on a busy 2-core machine rounds come every ~25 steps of the fast learner
-    # (20 rounds in a CI run: shares 0.84 / 0.76). Starving the slow learner gives ~0.
-    assert all(share >= 0.5 for share in shares.values()), shares
+    # At the budget each learner hands in its unsent work and the final rounds merge it:
+    # every finished step reaches the global model, however the machine's load paced the
+    # rounds (without them: 0.84 / 0.76 in a CI run; starving the slow learner gives ~0).
+    assert all(share >= 0.95 for share in shares.values()), shares
     # The slow learner stepped slower and nobody waited for it. Per second of training: in
     # total steps the learner that compiled first, seconds ahead on a busy machine, can win
     # (CI: a 122 steps, b 202).

@@ -80,6 +80,12 @@ def test_the_terminal_and_the_report_show_the_same_summary_rows(tmp_path: Path) 
     make_run(tmp_path, finished=True)
     summary = json.loads((tmp_path / "summary.json").read_text())
     summary["token_budget"] = 20_000
+    summary["final_rounds"] = {
+        "rounds": 12,
+        "heldout_loss_before": 2.66291,
+        "merged_share_before": 0.89,
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
     rows = summary_rows(summary)
     table = summary_table(summary)
     rec = RunRecord.load(tmp_path)
@@ -91,6 +97,9 @@ def test_the_terminal_and_the_report_show_the_same_summary_rows(tmp_path: Path) 
     assert shown["tokens trained"] == "20k of 20k tokens"
     assert shown["bytes moved (up + down)"] == "30kB (1.5 B/token)"
     assert shown["goodput"] == "41.0%" and shown["wall time"] == "0:18 (18.5 s)"
+    assert shown["final rounds (unsent work)"] == (
+        "12; at the budget held-out 2.6629, 89.0% merged"
+    )
     assert "<summary>config.json</summary>" in page and "K (quorum)" in page
 
 

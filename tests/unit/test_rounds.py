@@ -390,13 +390,14 @@ def test_implausible_counters_are_refused():
     assert book.offer(meta("a", steps=4, tokens=401), now=0.0) is Verdict.IMPLAUSIBLE
     assert book.offer(meta("b", steps=4, tokens=10**12), now=0.0) is Verdict.ACCEPTED
     assert book.offer(meta("a", steps=4, tokens=400), now=0.0) is Verdict.ACCEPTED
-    # more work than the run's budget: tokens, or steps of a known batch
+    # more work than the run's budget and the step that crosses it: tokens, or steps of a
+    # known batch (b's is unknown: no step is allowed for)
     book = RoundBook(policy(max_tokens=10_000), num_fragments=1)
     book.register("a", 0, now=0.0, tokens_per_step=100)
     book.register("b", 0, now=0.0)
     assert book.offer(meta("b", steps=4, tokens=10_001), now=0.0) is Verdict.IMPLAUSIBLE
-    assert book.offer(meta("a", steps=101, tokens=400), now=0.0) is Verdict.IMPLAUSIBLE
-    assert book.offer(meta("a", steps=100, tokens=10_000), now=0.0) is Verdict.ACCEPTED
+    assert book.offer(meta("a", steps=102, tokens=400), now=0.0) is Verdict.IMPLAUSIBLE
+    assert book.offer(meta("a", steps=101, tokens=10_100), now=0.0) is Verdict.ACCEPTED
 
 
 def test_replayed_contribution_is_refused():
@@ -600,3 +601,36 @@ def test_a_fragment_merging_closes_no_second_round():
     book.commit(close, sync_time_s=0.0, now=0.3)
     (again,) = book.poll(now=0.3)
     assert [c.meta.learner for c in again.contributions] == ["b"]
+
+
+def test_the_final_rounds_close_whatever_the_quorum_and_merge_everyone_held():
+    # K = 3 of 3 live learners: two offered fragment 0, one offered fragment 1, and nobody
+    # else will (the run's end). `poll` holds both rounds; `close_all` closes each with all
+    # its held work, once, and leaves nothing open.
+    book = book_with(["a", "b", "c"], policy(quorum_min=3), num_fragments=3)
+    assert book.offer(meta("a", fragment=0), now=1.0) is Verdict.ACCEPTED
+    assert book.offer(meta("b", fragment=0, steps=2, tokens=200), now=1.0) is Verdict.ACCEPTED
+    assert book.offer(meta("c", fragment=1), now=1.0) is Verdict.ACCEPTED
+    assert book.poll(now=1.5) == []
+    assert book.open_work()
+    closes = {c.fragment: c for c in book.close_all(now=2.0)}
+    assert sorted(closes) == [0, 1]  # fragment 2 holds nothing: no empty round
+    assert [e.meta.learner for e in closes[0].contributions] == ["a", "b"]
+    assert closes[0].num_tokens == 600 and closes[1].num_tokens == 400
+    assert closes[0].learners == 3 and closes[0].grace_s == 0.0
+    assert book.open_work()  # merging until committed
+    assert book.close_all(now=2.0) == []  # a merging round is not closed twice
+    for c in closes.values():
+        book.commit(c, sync_time_s=0.0, now=2.0)
+    assert not book.open_work()
+    assert book.versions() == {0: 1, 1: 1, 2: 0}
+
+
+def test_the_final_rounds_take_work_of_a_replaced_incarnation_but_not_a_held_fragment():
+    book = book_with(["a", "b"], policy(quorum_min=2), num_fragments=2)
+    assert book.offer(meta("a", fragment=0), now=1.0) is Verdict.ACCEPTED
+    book.register("a", 1, now=1.5)  # restarted: its offer is kept, not pending
+    assert book.offer(meta("b", fragment=1), now=1.5) is Verdict.ACCEPTED
+    book.held.add(1)  # being recovered after a synchronizer restart: no round closes
+    (close,) = book.close_all(now=2.0)
+    assert close.fragment == 0 and [e.meta.incarnation for e in close.contributions] == [0]

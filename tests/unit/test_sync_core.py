@@ -189,3 +189,18 @@ def test_a_learner_that_leaves_before_it_registered_changes_nothing() -> None:
     core = _core()
     assert core.leave("never-registered", now=1.0) == []
     assert set(core.bases[0]) == {"a", "b"}
+
+
+def test_the_final_round_merges_work_short_of_the_quorum_and_counts_it_merged() -> None:
+    # K = 2, and only a's work is held when the run ends: no round is due, the final round
+    # merges it like any other (the ledger counts its tokens, the fragment moves).
+    core = _core("diloco.quorum_min=2")
+    assert _offer(core, "a", 0, 4, now=0.0) is Verdict.ACCEPTED
+    assert core.close_due(now=1.0) == []
+    before = _values(core)
+    (close,) = core.close_final(now=1.0)
+    pub = core.merge(close)
+    core.commit(pub, now=1.0)
+    assert pub.version == 1 and core.ledger.tokens_merged(0) == 4 * TOKENS_PER_STEP
+    assert any(not np.array_equal(before[k], v) for k, v in core.values[0].items())
+    assert core.close_final(now=1.0) == [] and not core.book.open_work()

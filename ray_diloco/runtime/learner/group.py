@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from ray_diloco.config import ConfigError, LearnerGroupConfig, RunConfig
-from ray_diloco.control.events import LOOP_ENDED
+from ray_diloco.control.events import LOOP_ENDED, StopReason
 from ray_diloco.control.protocol import HostStatus
 from ray_diloco.runtime import resources
 from ray_diloco.runtime.errors import classify_ray_error
@@ -98,10 +98,15 @@ class LearnerGroup:
             return None
         return st
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Ask every host to finish its step and stop; wait (logged) until their loops end."""
+    def stop(self, timeout_s: float = 30.0, at_budget: bool = False) -> None:
+        """Ask every host to finish its step and stop; wait (logged) until their loops end.
+        `at_budget`: the run's budget is spent, so the hosts hand in their unsent work first,
+        as at the synchronizer's own stop (it may not have reached them yet)."""
         for h in self.hosts:
-            h.stop.remote()
+            if at_budget:
+                h.stop.remote(StopReason.BUDGET, "token budget reached")
+            else:
+                h.stop.remote()
         deadline = time.monotonic() + timeout_s
         pending = list(range(len(self.hosts)))
         while pending and time.monotonic() < deadline:

@@ -62,6 +62,7 @@ class LearnerHost:
         self._stop = threading.Event()
         self._incoming: list[Message] = []  # received, not yet at a boundary
         self.stop_reason = StopReason.REQUESTED  # why the loop ends, once `_stop` is set
+        self.farewell = False  # the loop ends handing in every unsent work (spmd.Boundary)
         self.stop_detail = ""  # the same in words, for people
         self._leaving = False
         self.state = LearnerState.STARTING
@@ -289,12 +290,16 @@ class LearnerHost:
                 # grace window open (sized from the slowest live learner's step time) for
                 # seconds after a restart while the others' deltas grow into norm outliers.
                 channel.report(core, None if compiled else step_time, self.loss, self.stop)
+                if core.cursor >= cfg.token_budget:
+                    # Alone past the budget: the synchronizer's stop comes with a report's
+                    # answer, which a loaded machine delays by many of a fast learner's steps.
+                    self.stop(StopReason.BUDGET, "token budget reached by this learner alone")
                 channel.offer(offers)
                 self.metrics.tokens(self.name, core.tokens_per_step)
                 self.metrics.step_time(self.name, step_time)
                 self.metrics.training_loss(self.name, self.loss)
             if not self._step_boundary(core, link, channel):
-                if self._leaving and channel is not None:
+                if channel is not None and self.farewell:
                     channel.farewell(core, self.loss)
                 return
 
@@ -314,11 +319,15 @@ class LearnerHost:
                 core.receive(msg)
             # Every host applies host 0's inbox: hosts see arrivals at different moments.
             held = [(p, v, values) for p, (v, values) in sorted(core.inbox.items())]
-            mine = Boundary(held, stop)
+            # Leaving, or at the budget of a decoupled run: the last work goes to the
+            # synchronizer's final rounds (`driver.final_rounds`).
+            at_end = self.stop_reason is StopReason.BUDGET and self.cfg.diloco.final_rounds
+            farewell = stop and (self._leaving or at_end)
+            mine = Boundary(held, stop, farewell=farewell)
             if channel is not None:
-                mine = Boundary(held, stop, channel.take_leases(), channel.take_pulled())
+                mine = Boundary(held, stop, channel.take_leases(), channel.take_pulled(), farewell)
             shared = link.share_step(mine)
-            stop = shared.stop
+            stop, self.farewell = shared.stop, shared.farewell
             core.inbox = {p: (v, values) for p, v, values in shared.received}
             core.reader.add([Lease(*lease) for lease in shared.leases])
             core.pull(shared.pulled)
@@ -326,7 +335,8 @@ class LearnerHost:
             if stop or (core.pending and core.blocked_on()):
                 # Offers that cannot wait for the next step to hide their copies: the run
                 # stops, or (tau = 0) a fragment is due back before the next step starts.
-                flushed = self.faults.corrupt(core.collect_offers())
+                offers = core.final_offers() if shared.farewell else core.collect_offers()
+                flushed = self.faults.corrupt(offers)
                 if channel is not None:
                     channel.offer(flushed)
             if stop:

@@ -209,13 +209,14 @@ class LearnerSlot:
             host.leave.remote(reason)
         return True
 
-    def stop(self, timeout_s: float) -> HostStatus | None:
-        """Ask the hosts to finish their step and stop; returns host 0's final status."""
+    def stop(self, timeout_s: float, at_budget: bool = False) -> HostStatus | None:
+        """Ask the hosts to finish their step and stop (`LearnerGroup.stop`); returns host 0's
+        final status."""
         with self._lock:
             group = self.group
         if group is None or not group.hosts:
             return None
-        group.stop(timeout_s)
+        group.stop(timeout_s, at_budget)
         return group.status()
 
     def release(self) -> None:
@@ -246,13 +247,15 @@ def make_slot(
     )
 
 
-def stop_all(slots: Iterable[LearnerSlot], timeout_s: float) -> dict[str, HostStatus]:
+def stop_all(
+    slots: Iterable[LearnerSlot], timeout_s: float, at_budget: bool = False
+) -> dict[str, HostStatus]:
     """Stop every learner at once (each waits for its hosts' loops); host 0's final status of
     each learner that was still alive."""
     finals: dict[str, HostStatus | None] = {}
 
     def stop(slot: LearnerSlot) -> None:
-        finals[slot.name] = slot.stop(timeout_s)
+        finals[slot.name] = slot.stop(timeout_s, at_budget)
 
     threads = [threading.Thread(target=stop, args=(s,), name=f"stop-{s.name}") for s in slots]
     for th in threads:

@@ -42,6 +42,9 @@ class Boundary:
     stop: bool
     leases: Leases = field(default_factory=list)  # data added to the pool
     pulled: list[int] = field(default_factory=list)  # fragments to offer next (`schedule: pull`)
+    # With `stop`: the learner leaves the run or the budget is spent, so every host takes
+    # part in offering all its unsent work first (a sharded leaf's copy is a collective).
+    farewell: bool = False
 
 
 def free_address() -> str:
@@ -177,7 +180,8 @@ class HostLink:
         # stop, how many received and pulled; (fragment, version) per received; pulled ones
         header = np.full(3 + 3 * num, -1, np.int64)
         if self.leader:
-            header[0], header[1], header[2] = int(boundary.stop), len(newest), len(pulled)
+            stop = 2 if boundary.stop and boundary.farewell else int(boundary.stop)
+            header[0], header[1], header[2] = stop, len(newest), len(pulled)
             for i, (p, v, _) in enumerate(sorted(newest.values(), key=lambda e: e[0])):
                 header[3 + 2 * i], header[4 + 2 * i] = p, v
             header[3 + 2 * num : 3 + 2 * num + len(pulled)] = pulled
@@ -193,6 +197,7 @@ class HostLink:
             stop=bool(header[0]),
             leases=self._leases(boundary.leases),
             pulled=[int(p) for p in header[3 + 2 * num : 3 + 2 * num + count]],
+            farewell=int(header[0]) == 2,
         )
 
     def close(self) -> None:

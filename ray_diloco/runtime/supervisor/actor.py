@@ -168,9 +168,11 @@ class Supervisor:
         """Queue a graceful leave of learner `name` (its unsent work is offered first)."""
         self.membership.request_leave(name, reason)
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, over: bool = False) -> None:
         """End the run: no more chaos or restarts; the learners are stopped, their final
-        status collected and RunFinished recorded (`status()["done"]` turns True)."""
+        status collected and RunFinished recorded (`status()["done"]` turns True). `over`:
+        the token budget is spent (the learners hand in their unsent work as they stop)."""
+        self.phase.over = self.phase.over or over
         if self.phase.finish is None:
             self.phase.finish = reason
             if self._thread is None:
@@ -335,7 +337,7 @@ class Supervisor:
             self.chaos.close()
         if self.membership.scavenger is not None:
             self.membership.scavenger.close()
-        finals = stop_all(self.slots.values(), STOP_TIMEOUT_S)
+        finals = stop_all(self.slots.values(), STOP_TIMEOUT_S, at_budget=self.phase.over)
         now = self._now()
         for name in self.slots:
             self._record_all(self.control.finished(name, now, reason))

@@ -297,6 +297,12 @@ class Synchronizer:
             )
 
     @ray.method(concurrency_group="control")
+    def final_rounds(self, timeout_s: float) -> int:
+        """The run's end, once every learner stopped and handed in its unsent work: one last
+        round per fragment merges all of it (`RoundThread.close_final`); returns the rounds."""
+        return self.rounds.close_final(timeout_s)
+
+    @ray.method(concurrency_group="control")
     def impair_link(self, region: str, duration_s: float, factor: float | None) -> None:
         """Chaos: cut (factor None) or slow down the region's emulated downstream link."""
         now = time.monotonic()
@@ -318,7 +324,7 @@ class Synchronizer:
     def offer(self, meta: ContributionMeta, delta: dict[str, Encoded]) -> str:
         """Take a contribution (pushed by value, decoded here); returns the Verdict value."""
         with self._lock:
-            if self.finished.is_set():
+            if self.rounds.closing.is_set():
                 return "run_finished"
             verdict = self.core.offer(meta, delta, self._now())
             newest = self.core.catch_up(meta, verdict)

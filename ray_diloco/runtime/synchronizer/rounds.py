@@ -72,10 +72,29 @@ class RoundThread:
         # Per learner: the incarnation and step of its last merged contribution (the
         # supervisor detects rejoins from them).
         self.merged_by: dict[str, tuple[int, int]] = {}
+        # Set at the run's end, once the learners stopped: every held work merges now.
+        self.closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rounds", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def close_final(self, timeout_s: float) -> int:
+        """Merge every fragment's held work in one last round each (the learners stopped and
+        handed in their unsent work); returns the rounds merged, once none is open."""
+        with self._lock:
+            before = self.publisher.rounds()
+        self.closing.set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._wake.set()
+            with self._lock:
+                if not self.core.book.open_work():
+                    return self.publisher.rounds() - before
+            time.sleep(0.05)
+        logger.warning("the final rounds did not all merge within %.0f s", timeout_s)
+        with self._lock:
+            return self.publisher.rounds() - before
 
     def stop(self) -> None:
         self._stop.set()
@@ -133,13 +152,15 @@ class RoundThread:
 
     def _close_rounds(self) -> None:
         with self._lock:
-            if self._finished.is_set():
-                return
+            final = self.closing.is_set()
+            if self._finished.is_set() and not final:
+                return  # past the budget, rounds wait for the learners' last work
             room = self.checkpoints.room() if self.checkpoints is not None else None
             if self.checkpoints is not None and room is not None and room <= 0:
                 self.checkpoints.in_background()  # rounds wait for it (it wakes this thread)
                 return
-            closes = self.core.close_due(time.monotonic(), room)
+            now = time.monotonic()
+            closes = self.core.close_final(now) if final else self.core.close_due(now, room)
         for close in closes:
             try:
                 started = time.perf_counter()

@@ -122,6 +122,11 @@ class ShardSet:
         """Held-out loss of the global parameters (shard 0 gathers every shard's)."""
         return float(ray.get(self.first.evaluate.remote(), timeout=timeout_s))
 
+    def final_rounds(self, timeout_s: float) -> int:
+        """Every shard merges the learners' last work (the run's end); the rounds merged."""
+        refs = [h.final_rounds.remote(timeout_s) for h in self.handles]
+        return sum(ray.get(refs, timeout=timeout_s + 30))
+
     def checkpoint(self, timeout_s: float) -> None:
         ray.get([h.checkpoint.remote() for h in self.handles], timeout=timeout_s)
 
