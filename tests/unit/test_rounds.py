@@ -604,26 +604,27 @@ def test_a_fragment_merging_closes_no_second_round():
 
 
 def test_the_final_rounds_close_whatever_the_quorum_and_merge_everyone_held():
-    # K = 3 of 3 live learners: two offered fragment 0, one offered fragment 1, and nobody
+    # K = 3 of 3 live learners: two offered fragment 1, one offered fragment 2, and nobody
     # else will (the run's end). `poll` holds both rounds; `close_all` closes each with all
     # its held work, once, and leaves nothing open.
     book = book_with(["a", "b", "c"], policy(quorum_min=3), num_fragments=3)
-    assert book.offer(meta("a", fragment=0), now=1.0) is Verdict.ACCEPTED
-    assert book.offer(meta("b", fragment=0, steps=2, tokens=200), now=1.0) is Verdict.ACCEPTED
-    assert book.offer(meta("c", fragment=1), now=1.0) is Verdict.ACCEPTED
+    assert book.offer(meta("a", fragment=1), now=1.0) is Verdict.ACCEPTED
+    assert book.offer(meta("b", fragment=1, steps=2, tokens=200), now=1.0) is Verdict.ACCEPTED
+    assert book.offer(meta("c", fragment=2), now=1.0) is Verdict.ACCEPTED
     assert book.poll(now=1.5) == []
     assert book.open_work()
     closes = {c.fragment: c for c in book.close_all(now=2.0)}
-    assert sorted(closes) == [0, 1]  # fragment 2 holds nothing: no empty round
-    assert [e.meta.learner for e in closes[0].contributions] == ["a", "b"]
-    assert closes[0].num_tokens == 600 and closes[1].num_tokens == 400
-    assert closes[0].learners == 3 and closes[0].grace_s == 0.0
+    assert sorted(closes) == [1, 2]  # fragment 0 holds nothing: no empty round
+    assert [e.meta.learner for e in closes[1].contributions] == ["a", "b"]
+    assert closes[1].num_tokens == 600 and closes[2].num_tokens == 400
+    assert closes[1].learners == 3 and closes[1].grace_s == 0.0
+    assert closes[1].quorum_s == closes[1].closed_s == 2.0
     assert book.open_work()  # merging until committed
     assert book.close_all(now=2.0) == []  # a merging round is not closed twice
     for c in closes.values():
         book.commit(c, sync_time_s=0.0, now=2.0)
     assert not book.open_work()
-    assert book.versions() == {0: 1, 1: 1, 2: 0}
+    assert book.versions() == {0: 0, 1: 1, 2: 1}
 
 
 def test_the_final_rounds_take_work_of_a_replaced_incarnation_but_not_a_held_fragment():
