@@ -142,7 +142,9 @@ def plot(
     )
     ax_loss.set_xlim(WINDOW[0] * base_s * 0.6, base_s * 1.02)
     finals = [results[("decoupled", x)]["heldout_loss"] for x in EXTRA]
-    ax_loss.set_ylim(min(finals) - 0.05, target + 4 * (target - min(finals)))
+    ax_loss.set_ylim(
+        min(finals) - 0.05, max(target + 4 * (target - min(finals)), max(finals) + 0.03)
+    )
     ax_loss.set_xlabel("virtual time (s); shaded: temporary learners present")
     ax_loss.set_ylabel("held-out loss (nats per byte)")
     ax_loss.set_title("decoupled, temporary learners at 25-75% of the base run")
