@@ -332,8 +332,9 @@ class _Run:
             time.sleep(0.2)
         self.done = True
         at_budget: tuple[SynchronizerStatus, float] | None = None
-        if self.cfg.diloco.final_rounds:
-            # The global model as the budget left it, then with the learners' last work.
+        if self.cfg.diloco.final_rounds and over:
+            # The global model as the budget left it, then with the learners' last work (a
+            # run stopped for another reason, a failing merge among them, ends as it stands).
             at_budget = self.sync.status(NO_EVENTS, 120), self.sync.evaluate(300)
             merged = self.sync.final_rounds(120)
             logger.info("final rounds: %d merged the learners' last work", merged)

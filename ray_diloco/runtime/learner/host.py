@@ -320,7 +320,7 @@ class LearnerHost:
             # Every host applies host 0's inbox: hosts see arrivals at different moments.
             held = [(p, v, values) for p, (v, values) in sorted(core.inbox.items())]
             # Leaving, or at the budget of a decoupled run: the last work goes to the
-            # synchronizer's final rounds (`driver.final_rounds`).
+            # synchronizer's final rounds (`ShardSet.final_rounds`).
             at_end = self.stop_reason is StopReason.BUDGET and self.cfg.diloco.final_rounds
             farewell = stop and (self._leaving or at_end)
             mine = Boundary(held, stop, farewell=farewell)
