@@ -157,6 +157,13 @@ class SynchronizerStatus:
             out[name] = self.tokens_merged.get(name, 0) / trained if trained > 0 else 0.0
         return out
 
+    def merged_share(self) -> float:
+        """The same over every learner: tokens of work that reached the global value over the
+        tokens trained."""
+        if not (self.tokens and self.versions):
+            return 0.0
+        return sum(self.tokens_merged.values()) / (len(self.versions) * self.tokens)
+
 
 @dataclass(frozen=True)
 class LearnerRow:

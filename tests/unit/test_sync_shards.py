@@ -158,5 +158,7 @@ def test_merged_shares_of_the_combined_status_divide_by_every_fragment() -> None
     st = combine_status([zero, one])
     assert st.tokens_merged == {"a": 1000, "b": 100}
     assert st.merged_shares() == {"a": 0.5, "b": 100 / 800, "c": 0.0}
+    # Over every learner: 1100 tokens merged of the ledger's total, times both fragments.
+    assert st.merged_share() == 1100 / (2 * st.tokens) and st.tokens > 0
     # With shard 1 silent, the share is over the fragments that answered.
     assert combine_status([zero, None]).merged_shares()["a"] == 600 / 1000
