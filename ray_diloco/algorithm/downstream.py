@@ -126,18 +126,15 @@ class Downstream:
             if self.delta is None:
                 self._full[fragment] = Message(fragment, version, None, encoded)
             return _view(encoded), encoded
-        diff = {
-            k: np.asarray(values[k], np.float32) - np.asarray(prev[k], np.float32) for k in values
-        }
-        chain[version] = wire.encode_tree(diff, self.delta, self.block_size)
-        if self.full == "float32":
-            return resolve(prev, chain[version], self.full), chain[version]
-        # `resolve`, rounded straight to the kept bfloat16: the same bits, one pass less.
-        q = {
-            k: wire.decode_add(e, prev[k])[0].astype(ml_dtypes.bfloat16)
-            for k, e in chain[version].items()
-        }
-        return q, chain[version]
+        # Difference, encoding and Q_v in one pass a chunk at a time (`resolve`'s bits).
+        dtype = np.dtype(np.float32) if self.full == "float32" else np.dtype(ml_dtypes.bfloat16)
+        diff, q = {}, {}
+        for k in values:
+            diff[k], q[k] = wire.encode_difference(
+                values[k], prev[k], self.delta, self.block_size, dtype
+            )
+        chain[version] = diff
+        return q, diff
 
     def messages(
         self, fragment: int, version: int, q: Values, learners: Iterable[str]

@@ -79,6 +79,7 @@ def outer_step(
     fraction: float = 1.0,
     accelerated: float = 1.0,
     lr_scale: float = 1.0,
+    reuse_grad: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One outer step on a fragment: `trace <- g + momentum * trace`, `G <- G - lr * u` with
     `u = g + momentum * trace` (Nesterov) or `u = trace`.
@@ -97,7 +98,10 @@ def outer_step(
     gradient that covers 1/a sync windows of learner work) and moves G by the rest, (1 - a) g,
     as it is: lr 1, no momentum, no trace. `lr_scale` multiplies the learning rate (the
     warm-up, `warmup_lr_scale`). Returns float32 NumPy values and a new state; the
-    inputs are not modified (a checkpoint may be reading the old state)."""
+    inputs are not modified (a checkpoint may be reading the old state), except with
+    `reuse_grad`: the gradient's float32 arrays, which the caller no longer reads, become the
+    new trace (the synchronizer's round then allocates one fragment-sized array less, and
+    a fresh array's first touch faults in every page of it)."""
     if values.keys() != outer_grad.keys():
         raise ValueError(
             f"outer_step: outer gradient leaves {sorted(outer_grad)} differ from the "
@@ -119,7 +123,8 @@ def outer_step(
         shape = g_value.shape
         g_flat, grad = g_value.reshape(-1), grads[path].reshape(-1)
         old = np.asarray(opt_state["trace"][path], F32).reshape(-1)
-        trace, new = np.empty_like(old), np.empty_like(g_flat)
+        trace = grad if reuse_grad else np.empty_like(old)
+        new = np.empty_like(g_flat)
         tmp, scaled, part = np.empty((3, min(CHUNK, g_flat.size)), F32)
         given = F32(1.0 if grad_scale is None else grad_scale[path])
         if plain:
@@ -133,6 +138,9 @@ def outer_step(
                 np.subtract(g_flat[s:e], part[: e - s], out=new[s:e])
             if scale is not None:
                 gc = np.multiply(gc, scale, out=scaled[: e - s])
+            elif reuse_grad:  # the trace is written over the gradient's chunk below
+                scaled[: e - s] = gc
+                gc = scaled[: e - s]
             if whole:
                 np.multiply(old[s:e], mu, out=t)
                 t += gc

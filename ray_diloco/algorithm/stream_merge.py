@@ -19,12 +19,11 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import ArrayLike
 
 from ray_diloco.algorithm import merge, wire
-from ray_diloco.algorithm.chunks import CHUNK, F32, flat32
+from ray_diloco.algorithm.chunks import CHUNK, F32, flat32, flat_kept, wide
 from ray_diloco.algorithm.merge import MergeMethod, Scaled, check_round
 
 Values = Mapping[str, np.ndarray]
@@ -42,27 +41,6 @@ class Streamed:
     delta: Mapping[str, wire.Encoded]
     start: Values | None = None
     anchor: Values | None = None
-
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def flat_start(x: ArrayLike) -> np.ndarray:
-    """A flat view of a start array: bfloat16 as it is kept (a published version, read a chunk
-    at a time), anything else as float32 (`chunks.flat32`)."""
-    a = np.asarray(x)
-    return a.reshape(-1) if a.dtype == BF16 else flat32(a)
-
-
-def _add_start(start: np.ndarray, s: int, e: int, out: np.ndarray, scratch: np.ndarray) -> None:
-    """`out += start[s:e]` in float32: a bfloat16 start widened exactly (the top half of its
-    float32) into `scratch` first."""
-    if start.dtype == BF16:
-        wide = scratch[: e - s]
-        np.left_shift(start[s:e].view(np.uint16), 16, out=wide.view(np.uint32), dtype=np.uint32)
-        out += wide
-    else:
-        out += start[s:e]
 
 
 def _reader(enc: wire.Encoded) -> wire.Fill:
@@ -89,7 +67,7 @@ class _Source:
     def outer(self, s: int, e: int, out: np.ndarray, scratch: np.ndarray) -> None:
         self.fill(s, e, out)
         if self.start is not None:
-            _add_start(self.start, s, e, out, scratch)  # theta, as `wire.decode_add` makes it
+            out += wide(self.start, s, e, scratch)  # theta, as `wire.decode_add` makes it
         if self.anchor is not None:
             out -= self.anchor[s:e]
             out += self.g[s:e]  # type: ignore[index]  # G + (theta - anchor), as sync_core
@@ -151,7 +129,7 @@ def arrival_norms(
     synchronizer measures as an offer arrives (the norm guard's, and RDA's first pass), before
     it keeps the offer encoded. `start`, `anchor`: of the leaf's shape (or flat)."""
     n = wire._checked(enc)
-    b = flat_start(start)
+    b = flat_kept(start)
     g = None if anchor is None else flat32(anchor)
     if b.size != n or (g is not None and g.size != n):
         raise ValueError(f"arrival_norms: {n} elements on the wire, values of another size")
@@ -166,7 +144,7 @@ def arrival_norms(
             chunk = buf[: e - s]
             fill(s, e, chunk)
             own += float(np.dot(chunk, chunk))
-            _add_start(b, s, e, chunk, tmp)
+            chunk += wide(b, s, e, tmp)
             if g is not None:
                 diff = np.subtract(g[s:e], chunk, out=tmp[: e - s])
                 sq += float(np.dot(diff, diff))
@@ -242,7 +220,7 @@ def stream_outer_gradient(
                     f"outer_gradient: leaf {path!r} of contribution {i} is not a well-formed "
                     f"encoding of shape {np.shape(value)}"
                 )
-            start = None if c.start is None else flat_start(c.start[path])
+            start = None if c.start is None else flat_kept(c.start[path])
             anchor = None if c.anchor is None else flat32(c.anchor[path])
             sources.append((enc, start, anchor))
         rule: MergeMethod = "mean" if method == "mean" or path in embedding_paths else "rda"

@@ -347,6 +347,7 @@ class SynchronizerCore:
             fraction,
             accelerated,
             outer.warmup_lr_scale(self.tx, close.version),
+            reuse_grad=True,  # the merge's own arrays, not read after
         )
         hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions

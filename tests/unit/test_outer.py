@@ -66,6 +66,36 @@ def test_inputs_are_not_modified() -> None:
     assert not np.any(values["w"])
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize(
+    ("scale", "fraction", "accelerated"), [(None, 1.0, 1.0), (0.5, 1.0, 1.0), (None, 0.5, 0.6)]
+)
+def test_reusing_the_gradient_as_the_trace_changes_no_bit(
+    nesterov: bool, scale: float | None, fraction: float, accelerated: float
+) -> None:
+    """The synchronizer's round hands its merged gradient over (`reuse_grad`): the trace is
+    written over it chunk by chunk, after each chunk of it is read, over several chunks."""
+    tx = outer.OuterOptimizer(0.7, 0.9, nesterov)
+    rng = np.random.default_rng(3)
+    n = 3 * outer.CHUNK + 17
+    values = {
+        "w": rng.normal(size=n).astype(np.float32),
+        "b": rng.normal(size=5).astype(np.float32),
+    }
+    state = {"trace": {k: rng.normal(size=v.shape).astype(np.float32) for k, v in values.items()}}
+    grad = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in values.items()}
+    scales = None if scale is None else {k: scale for k in values}
+    args = (scales, fraction, accelerated)
+    want_values, want_state = outer_step(
+        tx, values, state, {k: g.copy() for k, g in grad.items()}, *args
+    )
+    got_values, got_state = outer_step(tx, values, state, grad, *args, reuse_grad=True)
+    for k in values:
+        assert got_values[k].tobytes() == want_values[k].tobytes()
+        assert got_state["trace"][k].tobytes() == want_state["trace"][k].tobytes()
+        assert np.shares_memory(got_state["trace"][k], grad[k])  # no trace array allocated
+
+
 def test_mismatched_leaves_rejected() -> None:
     tx = make_outer_optimizer(OuterOptimizerConfig())
     values = {"w": np.zeros(2, np.float32)}
