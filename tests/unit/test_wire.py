@@ -217,3 +217,31 @@ def test_decode_add_is_decode_plus_base_and_measures_the_distances(dtype: str) -
     assert decode_add(enc, base)[1] == 0.0
     with pytest.raises(ValueError, match="elements"):
         decode_add(enc, base[:1])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("block_size", [3, 64])
+@pytest.mark.parametrize("kept", [np.float32, "bfloat16"])
+def test_encode_difference_is_encode_then_decode_add_bit_for_bit(
+    dtype: WireDtype, block_size: int, kept: object
+) -> None:
+    """What the synchronizer publishes in one fused pass (blockwise) is what a learner
+    resolves from the difference it is sent: the same encoding, the same Q_v bits."""
+    import ml_dtypes
+
+    from ray_diloco.algorithm.chunks import CHUNK
+    from ray_diloco.algorithm.wire import decode_add, encode_difference
+
+    resolved = np.dtype(ml_dtypes.bfloat16 if kept == "bfloat16" else np.float32)
+    rng = np.random.default_rng(1)
+    for n, base_dtype in [(1, resolved), (5, np.float32), (2 * CHUNK + 37, resolved)]:
+        base = rng.normal(size=n).astype(np.float32).astype(base_dtype)
+        x = base.astype(np.float32) + rng.normal(0, 1e-2, n).astype(np.float32)
+        x[: min(n, 2 * block_size)] = base[: min(n, 2 * block_size)]  # a zero difference block
+        enc, q = encode_difference(x, base, dtype, block_size, resolved)
+        want = encode(x - base.astype(np.float32), dtype, block_size)
+        assert enc == want
+        assert q.dtype == resolved
+        assert q.tobytes() == decode_add(want, base)[0].astype(resolved).tobytes()
+    with pytest.raises(ValueError, match="refusing to encode non-finite"):
+        encode_difference(np.array([1.0, np.nan]), np.zeros(2), dtype, block_size, resolved)
