@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from ray_diloco.algorithm import wire
+from ray_diloco.algorithm.buffers import Buffers
 from ray_diloco.config import DilocoConfig, WireDtype
 
 Values = Mapping[str, np.ndarray]
@@ -96,7 +97,11 @@ class Downstream:
     """The synchronizer's side: per fragment it owns, the recent differences (the chain) and
     the version each learner was last sent."""
 
-    def __init__(self, d: DilocoConfig, fragments: Iterable[int]) -> None:
+    def __init__(
+        self, d: DilocoConfig, fragments: Iterable[int], buffers: Buffers | None = None
+    ) -> None:
+        """`buffers`: where the kept values Q_v come from (`buffers.py`; fresh ones without)."""
+        self.buffers = Buffers(0) if buffers is None else buffers
         self.full = full_dtype(d)
         self.delta: WireDtype | None = None if d.publish_delta == "none" else d.publish_delta
         self.block_size = d.int4_block_size
@@ -129,10 +134,9 @@ class Downstream:
         # Difference, encoding and Q_v in one pass a chunk at a time (`resolve`'s bits).
         dtype = np.dtype(np.float32) if self.full == "float32" else np.dtype(ml_dtypes.bfloat16)
         diff, q = {}, {}
-        for k in values:
-            diff[k], q[k] = wire.encode_difference(
-                values[k], prev[k], self.delta, self.block_size, dtype
-            )
+        for k, value in values.items():
+            q[k] = self.buffers.empty(np.shape(value), dtype)
+            diff[k] = wire.encode_difference(value, prev[k], self.delta, self.block_size, q[k])
         chain[version] = diff
         return q, diff
 

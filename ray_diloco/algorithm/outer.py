@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ray_diloco.algorithm.buffers import Buffers
 from ray_diloco.algorithm.chunks import CHUNK, F32
 from ray_diloco.config import OuterOptimizerConfig
 
@@ -80,6 +81,7 @@ def outer_step(
     accelerated: float = 1.0,
     lr_scale: float = 1.0,
     reuse_grad: bool = False,
+    buffers: Buffers | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """One outer step on a fragment: `trace <- g + momentum * trace`, `G <- G - lr * u` with
     `u = g + momentum * trace` (Nesterov) or `u = trace`.
@@ -101,7 +103,8 @@ def outer_step(
     inputs are not modified (a checkpoint may be reading the old state), except with
     `reuse_grad`: the gradient's float32 arrays, which the caller no longer reads, become the
     new trace (the synchronizer's round then allocates one fragment-sized array less, and
-    a fresh array's first touch faults in every page of it)."""
+    a fresh array's first touch faults in every page of it). `buffers`: where the new
+    values' arrays come from (`buffers.py`; fresh ones without)."""
     if values.keys() != outer_grad.keys():
         raise ValueError(
             f"outer_step: outer gradient leaves {sorted(outer_grad)} differ from the "
@@ -124,7 +127,7 @@ def outer_step(
         g_flat, grad = g_value.reshape(-1), grads[path].reshape(-1)
         old = np.asarray(opt_state["trace"][path], F32).reshape(-1)
         trace = grad if reuse_grad else np.empty_like(old)
-        new = np.empty_like(g_flat)
+        new = np.empty_like(g_flat) if buffers is None else buffers.empty(g_flat.size)
         tmp, scaled, part = np.empty((3, min(CHUNK, g_flat.size)), F32)
         given = F32(1.0 if grad_scale is None else grad_scale[path])
         if plain:

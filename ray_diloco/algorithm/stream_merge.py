@@ -23,6 +23,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ray_diloco.algorithm import merge, wire
+from ray_diloco.algorithm.buffers import Buffers
 from ray_diloco.algorithm.chunks import CHUNK, F32, flat32, flat_kept, wide
 from ray_diloco.algorithm.merge import MergeMethod, Scaled, check_round
 
@@ -103,16 +104,22 @@ def _norms(sources: Sequence[_Source], n: int, chunk: int) -> list[float]:
 
 
 def _combine(
-    sources: Sequence[_Source], coefs: Sequence[float], n: int, chunk: int
+    sources: Sequence[_Source],
+    coefs: Sequence[float],
+    n: int,
+    chunk: int,
+    buffers: Buffers | None,
 ) -> tuple[np.ndarray, float]:
-    """`sum_c coefs[c] * d_c` in float32 (as `merge._combine`) and its squared norm."""
-    out = np.zeros(n, F32)
+    """`sum_c coefs[c] * d_c` in float32 (as `merge._combine`) and its squared norm, in an
+    array of `buffers` (a fresh one without)."""
+    out = np.empty(n, F32) if buffers is None else buffers.empty(n)
     buf, scratch = np.empty((2, min(chunk, n)), F32)
     total = 0.0
     live = [(src, F32(coef)) for src, coef in zip(sources, coefs, strict=True) if coef != 0.0]
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         acc, t = out[s:e], buf[: e - s]
+        acc[...] = 0.0
         for src, coef in live:
             src.outer(s, e, t, scratch)
             t *= coef
@@ -158,11 +165,13 @@ def stream_leaf(
     rule: MergeMethod,
     sq_norms: Sequence[float] | None = None,
     chunk: int = CHUNK,
+    buffers: Buffers | None = None,
 ) -> Scaled:
     """One leaf's merged outer gradient as `(array, scale)`, from `(delta, start, anchor)` per
     contribution (see `Streamed`; `start`, `anchor` and `g` flat float32 arrays or None):
     `merge._mean_leaf` or `merge._rda_leaf` of the contributions' values, without decoding
-    any contribution whole. `sq_norms`: `||d_c||^2` already known (RDA's first pass)."""
+    any contribution whole. `sq_norms`: `||d_c||^2` already known (RDA's first pass);
+    `buffers`: where the result's array comes from (`buffers.py`)."""
     _check_chunk(chunk)
     if rule not in ("rda", "mean"):
         raise ValueError(f"diloco.merge={rule!r}: expected 'rda' or 'mean'")
@@ -180,7 +189,7 @@ def stream_leaf(
             raise ValueError("stream merge: a moved contribution needs the global value")
     srcs = [_Source(enc, start, anchor, g) for enc, start, anchor in sources]
     if rule == "mean":
-        out, _ = _combine(srcs, list(w), n, chunk)
+        out, _ = _combine(srcs, list(w), n, chunk, buffers)
         return out.reshape(shape), 1.0
     if sq_norms is None:
         sq_norms = _norms(srcs, n, chunk)
@@ -188,7 +197,7 @@ def stream_leaf(
     norms = np.sqrt(np.asarray(sq_norms, np.float64))
     coefs = [wc / nc if nc > 0 else 0.0 for wc, nc in zip(w, norms, strict=True)]
     radius = float(w @ norms)
-    direction, direction_sq = _combine(srcs, coefs, n, chunk)
+    direction, direction_sq = _combine(srcs, coefs, n, chunk, buffers)
     direction_norm = math.sqrt(direction_sq)
     if direction_norm <= merge._DIRECTION_EPS:
         return np.zeros(shape, F32), 0.0
@@ -202,6 +211,7 @@ def stream_outer_gradient(
     method: MergeMethod = "rda",
     sq_norms: Sequence[Mapping[str, float]] | None = None,
     chunk: int = CHUNK,
+    buffers: Buffers | None = None,
 ) -> dict[str, Scaled]:
     """`merge.scaled_outer_gradient(global_values, [(theta_c, w_c)], ...)` with each `theta_c`
     given as a `Streamed` contribution (still encoded) instead of a float32 array: the same
@@ -225,5 +235,5 @@ def stream_outer_gradient(
             sources.append((enc, start, anchor))
         rule: MergeMethod = "mean" if method == "mean" or path in embedding_paths else "rda"
         known = None if sq_norms is None or rule == "mean" else [sq[path] for sq in sq_norms]
-        result[path] = stream_leaf(g, sources, weights, rule, known, chunk)
+        result[path] = stream_leaf(g, sources, weights, rule, known, chunk, buffers)
     return result

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.algorithm import merge, outer, wire
+from ray_diloco.algorithm.buffers import Buffers
 from ray_diloco.algorithm.downstream import Downstream, Message, kept
 from ray_diloco.algorithm.fragments import FragmentPlan
 from ray_diloco.algorithm.leases import DataPool, Lease
@@ -133,13 +134,18 @@ class SynchronizerCore:
             for p in self.owned
         }
         self.outer_states = {p: outer.init_outer_state(self.tx, v) for p, v in self.values.items()}
+        # A round's merged gradient (the new trace), new value and the Q_v it publishes (up
+        # to 4 + 4 + 4 bytes a parameter), reused once unreferenced; kept unused: at most what
+        # the largest fragment's round takes.
+        largest = max((plan.sizes[p] for p in self.owned), default=0)
+        self.buffers = Buffers(limit_bytes=12 * largest)
         # Version 0 is the shared initialisation every learner starts from, exactly.
         self.published: dict[int, dict[int, Values]] = {p: {0: v} for p, v in self.values.items()}
         # Per fragment, learner -> the oldest version its offers can still be based on (the
         # one it adopted on registering, then that of its newest accepted offer: a learner's
         # base only moves forward). Older published versions can be no base and are dropped.
         self.bases: dict[int, dict[str, int]] = {p: {} for p in self.owned}
-        self.down = Downstream(cfg.diloco, self.owned)
+        self.down = Downstream(cfg.diloco, self.owned, self.buffers)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -331,7 +337,9 @@ class SynchronizerCore:
         ]
         # The guard's norms hold while G is the value they were measured against.
         sq = [h.sq for h in held] if all(h.anchor is g for h in held) else None
-        parts = stream_outer_gradient(g, contributions, self.plan.embedding, d.merge, sq)
+        parts = stream_outer_gradient(
+            g, contributions, self.plan.embedding, d.merge, sq, buffers=self.buffers
+        )
         grad = {k: a for k, (a, _) in parts.items()}
         merged = len({c.meta.learner for c in close.contributions})
         grad_factor, fraction = rule.round_step(merged, close.learners)
@@ -348,6 +356,7 @@ class SynchronizerCore:
             accelerated,
             outer.warmup_lr_scale(self.tx, close.version),
             reuse_grad=True,  # the merge's own arrays, not read after
+            buffers=self.buffers,
         )
         hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions
@@ -473,6 +482,12 @@ class SynchronizerCore:
                 b for h in pending for e in h.delta.values() for b in (e.payload, e.scales)
             ),
         }
+
+    def spare_bytes(self) -> int:
+        """Bytes of the round buffers kept unused for the next rounds (`buffers.py`): working
+        memory, at most what the largest fragment's round takes (12 bytes a parameter of it),
+        not state."""
+        return self.buffers.nbytes_unused()
 
     # -- checkpointing ------------------------------------------------------------------------
 

@@ -152,24 +152,26 @@ def encode(x: ArrayLike, dtype: WireDtype, block_size: int = 64) -> Encoded:
 
 
 def encode_difference(
-    x: ArrayLike, base: ArrayLike, dtype: WireDtype, block_size: int, resolved: np.dtype
-) -> tuple[Encoded, np.ndarray]:
-    """`encode(x - base)` and `base + decode(...)` of it in the dtype `resolved` (float32 or
-    bfloat16, of `base`'s shape): a published difference and the value it resolves to, bit
-    for bit `encode` then `decode_add` (`downstream.resolve`). Blockwise dtypes take it in one
-    pass a chunk at a time, without the difference's or the float32 result's array (the
+    x: ArrayLike, base: ArrayLike, dtype: WireDtype, block_size: int, out: np.ndarray
+) -> Encoded:
+    """`encode(x - base)`, with `base + decode(...)` of it written into `out` (float32 or
+    bfloat16, of `base`'s size): a published difference and the value it resolves to, bit for
+    bit `encode` then `decode_add` (`downstream.resolve`). Blockwise dtypes take it in one pass
+    a chunk at a time, without the difference's or the float32 result's array (the
     synchronizer publishes fragments of gigabytes every round)."""
     _check(dtype, block_size)
-    xf, b = flat32(x), flat_kept(base)
-    if xf.size != b.size:
-        raise ValueError(f"encode_difference: {xf.size} values, {b.size} in the base")
+    xf, b, flat_out = flat32(x), flat_kept(base), out.reshape(-1)
+    if not xf.size == b.size == flat_out.size:
+        raise ValueError(
+            f"encode_difference: {xf.size} values, {b.size} in the base, {flat_out.size} out"
+        )
     shape = tuple(int(d) for d in np.shape(base))
     if dtype in _BLOCKWISE:
-        out = np.empty(b.size, resolved)
-        return _blockwise(xf, b, shape, dtype, block_size, out), out.reshape(shape)
+        return _blockwise(xf, b, shape, dtype, block_size, flat_out)
     with np.errstate(over="ignore"):
         enc = encode(xf - flat32(b), dtype, block_size)
-    return enc, decode_add(enc, b)[0].astype(resolved, copy=False).reshape(shape)
+    flat_out[...] = decode_add(enc, b)[0].reshape(-1)
+    return enc
 
 
 def _blockwise(

@@ -23,9 +23,10 @@ LEARNERS = 4
 ROUNDS = 4
 
 
-def _run(publish_delta: str) -> tuple[SynchronizerCore, int, int]:
+def _run(publish_delta: str) -> tuple[SynchronizerCore, int, int, int]:
     """A core driven through ROUNDS rounds of every fragment (int4 offers, every learner sent
-    every version); returns it, the bytes it holds after, and its peak."""
+    every version); returns it, the bytes it holds after, its peak, and the round buffers it
+    allocated in the last rounds."""
     leaves = {f"f{p}/w{i}": N // 8 for p in range(4) for i in range(2)}
     plan = FragmentPlan(
         tuple((f"f{p}/w0", f"f{p}/w1") for p in range(4)), (N // 4,) * 4, frozenset()
@@ -57,6 +58,8 @@ def _run(publish_delta: str) -> tuple[SynchronizerCore, int, int]:
     for r in range(ROUNDS):
         if r == 2:  # past the first rounds, which still hold version 0 (float32) as a base
             tracemalloc.reset_peak()
+        if r == ROUNDS - 1:
+            allocated = core.buffers.allocated
         for p, paths in enumerate(plan.fragments):  # one fragment due at a time (streaming)
             base = core.book.fragments[p].version
             for n, d in zip(names, deltas, strict=True):
@@ -69,22 +72,27 @@ def _run(publish_delta: str) -> tuple[SynchronizerCore, int, int]:
     gc.collect()
     current, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return core, current, peak
+    return core, current, peak, core.buffers.allocated - allocated
 
 
 @pytest.mark.parametrize("publish_delta", ["int4", "none"])
 def test_resident_bytes_per_parameter(publish_delta: str) -> None:
-    core, current, peak = _run(publish_delta)
+    core, current, peak, fresh = _run(publish_delta)
     pieces = core.resident_bytes()
     # float32 global value and momentum: 8 B; the newest version and the one the learners'
     # next offers are based on, bfloat16: 4 B. Nothing held once the rounds closed.
     assert pieces["global"] == pieces["momentum"] == 4 * N
     assert pieces["versions"] == 2 * 2 * N
     assert pieces["held"] == 0 and pieces["differences"] == 0
-    # Everything the core allocated and still holds, accounted or not: the pieces above,
-    # plus bookkeeping (round book, ledger, the encoded values of a version's full message).
-    assert current <= sum(pieces.values()) + 0.25 * N, (current / N, pieces)
+    # The round buffers kept for the next rounds: one round's worth of the largest fragment
+    # (its merged gradient, new value and Q_v), not more; once every fragment's round has
+    # released the first buffers, every round's arrays are reused ones.
+    fragment = N // 4
+    assert 0 < core.spare_bytes() <= 12 * fragment
+    assert fresh == 0
+    # Everything the core allocated and still holds, accounted or not: the pieces above, the
+    # spare buffers, plus bookkeeping (round book, ledger, a version's full message).
+    assert current <= sum(pieces.values()) + core.spare_bytes() + 0.25 * N, (current / N, pieces)
     # Working memory beyond that, past the first rounds: a few float32 (and the int4
     # encoder's float64) copies of the one fragment being merged, not of the model.
-    fragment = N // 4
     assert peak - current <= 32 * fragment, ((peak - current) / fragment, pieces)
