@@ -166,8 +166,14 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
         "resident_bytes_per_param_total": sum(resident.values()) / n,
         "first_cycle_bytes_per_param": {k: v / n for k, v in first.items()},
         "first_cycle_bytes_per_param_total": sum(first.values()) / n,
+        # The round buffers kept unused for the next rounds (`algorithm/buffers.py`): working
+        # memory, not state.
+        "spare_bytes_per_param": core.spare_bytes() / n,
         "peak_rss_gb": _rss_gb(),
         "peak_rss_bytes_per_param": _rss_gb() * GB / n,
+        # Everything in the process beyond the state: the interpreter and its libraries, the
+        # spare buffers, a round's arrays, the offers in flight.
+        "working_memory_gb": _rss_gb() - sum(resident.values()) / GB,
         "rounds": len(measured),
         "latency_median_s": statistics.median(measured),
         "latency_p99_s": measured[min(len(measured) - 1, int(0.99 * len(measured)))],
@@ -314,6 +320,7 @@ def main() -> None:
         "params",
         "resident_bytes_per_param_total",
         "peak_rss_gb",
+        "working_memory_gb",
         "latency_median_s",
         "latency_p99_s",
         "kept_up",
