@@ -592,9 +592,13 @@ def synchronizer_scale(data: dict[str, Any]) -> str:
                 + ")"
             ),
             "first cycle B/param": f"{r['first_cycle_bytes_per_param_total']:.2f}",
-            "peak RSS": f"{r['peak_rss_gb']:.2f} GB ({r['peak_rss_bytes_per_param']:.1f} B/param)",
-            "round latency, median / p99": (
-                f"{_num(r['latency_median_s'], 2)} / {_num(r['latency_p99_s'], 2)} s"
+            "peak RSS (beyond the state: working memory)": (
+                f"{r['peak_rss_gb']:.2f} GB ({r['working_memory_gb']:.2f} GB, of which "
+                f"{r['spare_bytes_per_param'] * r['params'] / 2**30:.2f} GB spare round buffers)"
+            ),
+            "round latency, median / p99 (p99 past the second cycle)": (
+                f"{_num(r['latency_median_s'], 2)} / {_num(r['latency_p99_s'], 2)} s "
+                f"({_num(r['latency_p99_steady_s'], 2)} s)"
             ),
             "CPU s a round: offers' arrival + round": (
                 f"{r['arrival_cpu_s']:.2f} + {r['round_cpu_s']:.2f} "
