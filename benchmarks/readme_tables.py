@@ -592,8 +592,9 @@ def synchronizer_scale(data: dict[str, Any]) -> str:
                 + ")"
             ),
             "first cycle B/param": f"{r['first_cycle_bytes_per_param_total']:.2f}",
-            "peak RSS (beyond the state: working memory)": (
-                f"{r['peak_rss_gb']:.2f} GB ({r['working_memory_gb']:.2f} GB, of which "
+            "peak RSS; past the second cycle (beyond the state: working memory)": (
+                f"{r['peak_rss_gb']:.2f} GB; {r['peak_rss_past_second_cycle_gb']:.2f} GB "
+                f"({r['working_memory_gb']:.2f} GB, of which "
                 f"{r['spare_bytes_per_param'] * r['params'] / 2**30:.2f} GB spare round buffers)"
             ),
             "round latency, median / p99 (p99 past the second cycle)": (
@@ -605,7 +606,10 @@ def synchronizer_scale(data: dict[str, Any]) -> str:
                 f"({r['contributions_gb_per_cpu_s']:.2f} GB/s)"
             ),
             "offers refused": r["offers_refused"],
-            "kept up": "yes" if r["kept_up"] else "no",
+            "kept up (past the second cycle)": (
+                f"{'yes' if r['kept_up'] else 'no'} "
+                f"({'yes' if r['kept_up_past_second_cycle'] else 'no'})"
+            ),
             "on a core of its own": "yes" if r["keeps_up_on_own_core"] else "no",
             "load": f"{r['load_before']:.1f}",
         }
@@ -615,7 +619,8 @@ def synchronizer_scale(data: dict[str, Any]) -> str:
         f"{_params(meta['params'])} parameters, P = {meta['num_fragments']}, H = "
         f"{meta['sync_every']}, {meta['shards']} shards, {meta['learners']} learners offering "
         f"{meta['wire']} (differences down: {meta['publish_delta']}), a {meta['step_s']:g} s "
-        "step; each shard alone in a process pinned to one core:",
+        "step; each shard alone in a process pinned to one core; new pages cost "
+        f"{meta['fresh_pages_sys_s_per_gb']:.2f} s of system CPU a GB on this machine:",
         markdown_table(rows, list(rows[0])),
     ]
     r = meta.get("restore")
