@@ -339,6 +339,8 @@ class _Run:
             merged = self.sync.final_rounds(120)
             logger.info("final rounds: %d merged the learners' last work", merged)
         loss = self.sync.evaluate(300)
+        # The final rounds and the evaluations after the learners stopped, onto the tape.
+        ray.get(self.sup.record_last_events.remote(), timeout=120)
         st, _ = self._poll()
         summary = run_summary(self.cfg, st, sup, loss, self.t0)
         if at_budget is not None:

@@ -133,6 +133,15 @@ def test_decoupled_run_converges_with_every_learner_and_exports_metrics(
     # every finished step reaches the global model, however the machine's load paced the
     # rounds (without them: 0.84 / 0.76 in a CI run; starving the slow learner gives ~0).
     assert all(share >= 0.95 for share in shares.values()), shares
+    # The tape holds every round the summary counts, the final rounds (after the learners
+    # stopped) among them, and the evaluation the summary reports.
+    from ray_diloco.control.events import HeldoutEvaluated, RoundClosed
+    from ray_diloco.control.tape import read_tape
+
+    events = read_tape(Path(cfg.run_dir) / "events.jsonl")
+    assert sum(isinstance(e, RoundClosed) for e in events) == summary["rounds"]
+    evaluated = [e.loss for e in events if isinstance(e, HeldoutEvaluated)]
+    assert evaluated[-1] == pytest.approx(summary["heldout_loss"]), evaluated[-3:]
     # The slow learner stepped slower and nobody waited for it. Per second of training: in
     # total steps the learner that compiled first, seconds ahead on a busy machine, can win
     # (CI: a 122 steps, b 202).

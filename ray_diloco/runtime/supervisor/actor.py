@@ -178,6 +178,13 @@ class Supervisor:
             if self._thread is None:
                 self._wind_down()
 
+    def record_last_events(self, timeout_s: float = 60.0) -> None:
+        """The synchronizer's events since the loop's last tick onto the tape: the final
+        rounds and the last evaluation, which come after the learners stopped (the driver
+        calls it once they are done; while the loop still runs, the loop records them)."""
+        if self._done.is_set():
+            self._record_all(self.sync.drain(timeout_s))
+
     def shutdown(self) -> None:
         """Kill every learner, free their placement groups, close the tape."""
         self._stop.set()

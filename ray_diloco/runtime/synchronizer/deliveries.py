@@ -10,7 +10,8 @@ that did is recovered from the learners that hold it (sync_core's recovery).
 
 `Deliveries` watches the `receive` calls of each publication on its own thread and calls
 `delivered(fragment, version)` once per publication, for the first call that succeeds (or at
-once when the publication had nobody to go to).
+once when the publication had nobody to go to), or `undelivered(fragment, version)` once
+every call failed.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ POLL_S = 0.02  # how long the watcher waits for a call before it looks for new o
 
 
 class Deliveries:
-    def __init__(self, delivered: Callable[[int, int], None]) -> None:
-        self._delivered = delivered
+    def __init__(
+        self, delivered: Callable[[int, int], None], undelivered: Callable[[int, int], None]
+    ) -> None:
+        self._delivered, self._undelivered = delivered, undelivered
         self._cond = threading.Condition()
         self._calls: dict[Any, tuple[int, int]] = {}  # receive call -> (fragment, version)
         self._sends: dict[tuple[int, int], int] = {}  # sends not answered, per publication
@@ -96,5 +99,4 @@ class Deliveries:
                 return
             else:
                 del self._sends[key]  # nobody got it: it never counts
-                return
-        self._delivered(*key)
+        (self._delivered if ok else self._undelivered)(*key)

@@ -59,8 +59,15 @@ class Publisher:
         # The newest version of each fragment a learner received: what `rounds` counts.
         self.delivered = core.book.versions()
         self._closing: dict[tuple[int, int], RoundClosed] = {}  # committed, not yet delivered
+        # Committed rounds whose sends are not all answered yet (the run's end waits for them).
+        self._unsettled: set[tuple[int, int]] = set()
         self._links = DelayedCalls("publish-links")
-        self.deliveries = Deliveries(self._delivered)
+        self.deliveries = Deliveries(self._delivered, self._undelivered)
+
+    def settled(self) -> bool:
+        """Under the lock: every committed round's publication reached a learner or failed
+        to reach any."""
+        return not self._unsettled
 
     def rounds(self) -> int:
         """Rounds that reached a learner (the sum of the newest delivered versions)."""
@@ -78,6 +85,7 @@ class Publisher:
         """A learner holds `version` of `fragment` (the deliveries thread): the round
         counts, and the version mark says it (a restart recovers it from the learners)."""
         with self._lock:
+            self._unsettled.discard((fragment, version))
             for key in sorted(k for k in self._closing if k[0] == fragment and k[1] <= version):
                 self.journal.record(self._closing.pop(key))
             if version <= self.delivered.get(fragment, 0):
@@ -85,6 +93,11 @@ class Publisher:
             self.delivered[fragment] = version
             if self.store is not None:
                 self.store.mark.update({fragment: version})
+
+    def _undelivered(self, fragment: int, version: int) -> None:
+        """No learner got `version` of `fragment`: it counts once a later one is delivered."""
+        with self._lock:
+            self._unsettled.discard((fragment, version))
 
     def targets(self) -> dict[str, list[Any]]:
         """Hosts of every registered learner that is not fenced or retired. Like the
@@ -96,6 +109,7 @@ class Publisher:
         """Under the lock: who gets a committed round's publication, and which messages; the
         round counts once a learner holds it (`closed` goes on the journal then)."""
         self._closing[(pub.fragment, pub.version)] = closed
+        self._unsettled.add((pub.fragment, pub.version))
         active = self.targets()
         groups = self.core.messages(pub, self.core.recipients(pub, active))
         return StagedRound(pub, groups, active, len(self.core.book.live(now)))

@@ -81,7 +81,8 @@ class RoundThread:
 
     def close_final(self, timeout_s: float) -> int:
         """Merge every fragment's held work in one last round each (the learners stopped and
-        handed in their unsent work); returns the rounds merged, once none is open."""
+        handed in their unsent work); returns the rounds merged, once none is open and each
+        one's publication was answered (its `RoundClosed` is on the journal by then)."""
         with self._lock:
             before = self.publisher.rounds()
         self.closing.set()
@@ -89,7 +90,7 @@ class RoundThread:
         while time.monotonic() < deadline:
             self._wake.set()
             with self._lock:
-                if not self.core.book.open_work():
+                if not self.core.book.open_work() and self.publisher.settled():
                     return self.publisher.rounds() - before
             time.sleep(0.05)
         logger.warning("the final rounds did not all merge within %.0f s", timeout_s)

@@ -92,6 +92,24 @@ class SyncWatch:
             return self._silence(now, force=True, detail=type(err).__name__), None
         return self._answer(st, now), st
 
+    def drain(self, timeout_s: float) -> list[Event]:
+        """Every event the shard journaled until now, waiting for it (once the supervisor's
+        loop has stopped): the answer in flight, if any, then one asked for now."""
+        events: list[Event] = []
+        for fresh in (False, True):
+            if self._ref is None:
+                if not fresh:
+                    continue
+                self._ref = self.handle.status.remote(self._seq)
+            ref, self._ref = self._ref, None
+            try:
+                st: SynchronizerStatus = ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.RayError as err:
+                logger.warning("synchronizer shard %d's last events: %s", self.shard, err)
+                return events
+            events += self._answer(st, self.clock())
+        return events
+
     def _silence(self, now: float, force: bool = False, detail: str = "") -> list[Event]:
         silent = now - self.last_ok
         # Before its first answer the synchronizer is still building (data, parameters).
@@ -186,6 +204,10 @@ class ShardWatch:
 
     def killed(self, shard: int, rounds: int | None) -> None:
         self.watches[shard].killed(rounds)
+
+    def drain(self, timeout_s: float) -> list[Event]:
+        """Every shard's events until now (`SyncWatch.drain`)."""
+        return [e for w in self.watches for e in w.drain(timeout_s)]
 
     def poll(self) -> tuple[list[Event], SynchronizerStatus | None]:
         """(every shard's events for the tape, the combined status when a shard answered)."""
