@@ -193,11 +193,11 @@ class SynchronizerConfig(_Frozen):
 
 
 class SupervisorConfig(_Frozen):
-    """Failure detection adapts to load (control/detector.py): a host is hung when silent for
-    `heartbeat_timeout_factor` times the 99th percentile of its recent gaps between answers,
-    at least `heartbeat_timeout_s` and at most `heartbeat_timeout_max_s`; a new incarnation
-    gets `startup_timeout_factor` times the longest boot seen in the run, at least
-    `startup_timeout_s`."""
+    """Failure detection adapts to load (control/detector.py): a learner host or a
+    synchronizer shard is hung when silent for `heartbeat_timeout_factor` times the 99th
+    percentile of its recent gaps between answers, at least `heartbeat_timeout_s` and at most
+    `heartbeat_timeout_max_s`; a new incarnation gets `startup_timeout_factor` times the
+    longest boot seen in the run, at least `startup_timeout_s`."""
 
     heartbeat_timeout_s: float = Field(2.0, gt=0, description="the floor: an idle machine's")
     heartbeat_timeout_factor: float = Field(3.0, ge=1)

@@ -48,6 +48,14 @@ from ray_diloco.control.protocol import LearnerRow
 log = logging.getLogger(__name__)
 
 
+def heartbeat_cadence(cfg: SupervisorConfig) -> Cadence:
+    """The timeout of a heartbeat (a learner host's answers, the synchronizer's): the
+    configured floor, factor and ceiling."""
+    return Cadence(
+        cfg.heartbeat_timeout_s, cfg.heartbeat_timeout_factor, cfg.heartbeat_timeout_max_s
+    )
+
+
 @dataclass(frozen=True)
 class KillLearner:
     """Fence an incarnation: kill every host actor of the learner's group."""
@@ -254,9 +262,7 @@ class Supervision:
     def _cadence(self, learner: str, host: int) -> Cadence:
         key = (learner, host)
         if key not in self.cadences:
-            c = self.cfg
-            floor, ceiling = c.heartbeat_timeout_s, c.heartbeat_timeout_max_s
-            self.cadences[key] = Cadence(floor, c.heartbeat_timeout_factor, ceiling)
+            self.cadences[key] = heartbeat_cadence(self.cfg)
         return self.cadences[key]
 
     def _detect(

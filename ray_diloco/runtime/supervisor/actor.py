@@ -33,6 +33,7 @@ the synchronizer's journal and the chaos engine's injections go there, with run-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -55,7 +56,13 @@ from ray_diloco.control.events import (
 from ray_diloco.control.goodput import compute_goodput
 from ray_diloco.control.protocol import HostStatus, SupervisorStatus, SynchronizerView
 from ray_diloco.control.recovery import DEGRADE_REASONS, RESTART_REASONS, tape_summary
-from ray_diloco.control.supervision import Command, KillLearner, StartLearner, Supervision
+from ray_diloco.control.supervision import (
+    Command,
+    KillLearner,
+    StartLearner,
+    Supervision,
+    heartbeat_cadence,
+)
 from ray_diloco.control.tape import EventTape
 from ray_diloco.observe.log import setup_logging
 from ray_diloco.runtime.learner.slot import make_slot, stop_all
@@ -105,7 +112,10 @@ class Supervisor:
         }
         self.phase = RunPhase()
         self.degradation = DegradationMonitor(names, window_s=max(1.0, 4 * s.poll_interval_s))
-        self.sync = ShardWatch(shards, t0, s.heartbeat_timeout_s, self._now, SYNC_START_S)
+        # The synchronizer's answers are timed out as a learner host's are.
+        self.sync = ShardWatch(
+            shards, t0, functools.partial(heartbeat_cadence, s), self._now, SYNC_START_S
+        )
         self.shards = shards
         actions = chaos_schedule(cfg.chaos, names, sorted(set(self.regions.values())), HORIZON_S)
         self.chaos = ChaosEngine(actions, self, self._record, self._now, cfg) if actions else None

@@ -5,8 +5,10 @@ restored on its own).
 Every poll sends one `status(since_event)` call unless one is in flight and reads it when it is
 ready, never blocking the control loop. From the answers it produces tape events: the
 synchronizer's own journal (rounds closed, contributions rejected), rebased onto the run clock;
-`SynchronizerLost` when no answer came for `timeout_s` (the synchronizer is being reconstructed
-or hangs: its methods retry transparently across a restart, so a call simply takes long); and
+`SynchronizerLost` when no answer came for the shard's timeout (the synchronizer is being
+reconstructed or hangs: its methods retry transparently across a restart, so a call simply
+takes long), which adapts to how its answers arrive as a learner's does (`control/detector.py`:
+on a busy machine an answer seconds late is no loss); and
 `SynchronizerRestored` once a new process (its `started_at` changed) has ended its recovery, at
 the time it did, with the rounds the restart lost: those the old process had closed (read right
 before a chaos kill, else the last answer seen) minus those it came back with.
@@ -21,6 +23,7 @@ from typing import Any
 
 import ray
 
+from ray_diloco.control.detector import Cadence
 from ray_diloco.control.events import (
     Event,
     SynchronizerLost,
@@ -48,12 +51,12 @@ class SyncWatch:
         self,
         handle: Any,
         t0: float,
-        timeout_s: float,
+        cadence: Cadence,
         clock: Callable[[], float],
         startup_timeout_s: float = 600.0,
         shard: int = 0,
     ) -> None:
-        self.handle, self.t0, self.timeout_s, self.clock = handle, t0, timeout_s, clock
+        self.handle, self.t0, self.cadence, self.clock = handle, t0, cadence, clock
         self.shard = shard
         self.startup_timeout_s = startup_timeout_s
         self.status: SynchronizerStatus | None = None  # the latest answer
@@ -113,7 +116,7 @@ class SyncWatch:
     def _silence(self, now: float, force: bool = False, detail: str = "") -> list[Event]:
         silent = now - self.last_ok
         # Before its first answer the synchronizer is still building (data, parameters).
-        timeout = self.timeout_s if self.status is not None else self.startup_timeout_s
+        timeout = self.cadence.timeout_s() if self.status is not None else self.startup_timeout_s
         if self.lost or not (force or silent > timeout):
             return []
         self.lost = True
@@ -140,12 +143,14 @@ class SyncWatch:
         self._seq = st.event_seq
         self._last_rounds = st.rounds
         self.status, self.last_ok, self.lost = st, now, False
+        self.cadence.arrived(now)
         return events
 
     def _new_process(self, now: float) -> list[Event]:
         """The answer comes from a new synchronizer process: its journal starts afresh, and
         it is restored once its recovery (values from the learners) is over."""
         events: list[Event] = []
+        self.cadence.forget_last()  # no gap across the restart
         if not self.lost:  # reconstructed faster than the timeout: lost all the same
             why = "answered by a new process"
             events.append(SynchronizerLost(now, now - self.last_ok, why, self.shard))
@@ -178,12 +183,12 @@ class ShardWatch:
         self,
         handles: list[Any],
         t0: float,
-        timeout_s: float,
+        cadence: Callable[[], Cadence],
         clock: Callable[[], float],
         startup_timeout_s: float = 600.0,
     ) -> None:
         self.watches = [
-            SyncWatch(h, t0, timeout_s, clock, startup_timeout_s, shard)
+            SyncWatch(h, t0, cadence(), clock, startup_timeout_s, shard)
             for shard, h in enumerate(handles)
         ]
 
