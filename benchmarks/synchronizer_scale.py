@@ -73,6 +73,10 @@ def _setting(params: int) -> tuple[Any, Any]:
     return cfg, plan
 
 
+def _p99(ordered: list[float]) -> float:
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def _reset_peak_rss() -> None:
     # Linux: writing 5 to clear_refs resets the process's high-water mark (VmHWM).
     with open("/proc/self/clear_refs", "w") as f:
@@ -174,6 +178,7 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
     interval = H * STEP_S / len(owned)  # between two of this shard's rounds
     gc.collect()
     resident = core.resident_bytes()  # steady: the bases are versions the shard published
+    steady_peak = _peak_rss_gb()
     out: dict[str, Any] = {
         "shard": shard,
         "params": n,
@@ -186,17 +191,17 @@ def run_shard(params: int, shard: int, cycles: int, restore: bool) -> dict[str, 
         # The round buffers kept unused for the next rounds (`algorithm/buffers.py`): working
         # memory, not state.
         "spare_bytes_per_param": core.spare_bytes() / n,
-        "peak_rss_gb": max(early_peak, _peak_rss_gb()),
-        "peak_rss_bytes_per_param": max(early_peak, _peak_rss_gb()) * GB / n,
-        "peak_rss_past_second_cycle_gb": _peak_rss_gb(),
+        "peak_rss_gb": max(early_peak, steady_peak),
+        "peak_rss_bytes_per_param": max(early_peak, steady_peak) * GB / n,
+        "peak_rss_past_second_cycle_gb": steady_peak,
         # Everything in the process beyond the state, past the second cycle (the first holds
         # version 0 too, 2 B/param more state): the interpreter and its libraries, the spare
         # buffers, a round's arrays, the offers in flight.
-        "working_memory_gb": _peak_rss_gb() - sum(resident.values()) / GB,
+        "working_memory_gb": steady_peak - sum(resident.values()) / GB,
         "rounds": len(measured),
         "latency_median_s": statistics.median(measured),
-        "latency_p99_s": measured[min(len(measured) - 1, int(0.99 * len(measured)))],
-        "latency_p99_steady_s": steady[min(len(steady) - 1, int(0.99 * len(steady)))],
+        "latency_p99_s": _p99(measured),
+        "latency_p99_steady_s": _p99(steady),
         "latencies_s": [[s, d] for s, d in latencies],
         "steps_late": behind,
         "offers_refused": refused,

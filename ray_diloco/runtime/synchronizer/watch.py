@@ -98,20 +98,18 @@ class SyncWatch:
     def drain(self, timeout_s: float) -> list[Event]:
         """Every event the shard journaled until now, waiting for it (once the supervisor's
         loop has stopped): the answer in flight, if any, then one asked for now."""
-        events: list[Event] = []
-        for fresh in (False, True):
-            if self._ref is None:
-                if not fresh:
-                    continue
-                self._ref = self.handle.status.remote(self._seq)
-            ref, self._ref = self._ref, None
-            try:
-                st: SynchronizerStatus = ray.get(ref, timeout=timeout_s)
-            except ray.exceptions.RayError as err:
-                logger.warning("synchronizer shard %d's last events: %s", self.shard, err)
-                return events
-            events += self._answer(st, self.clock())
-        return events
+        events = self._wait_answer(timeout_s) if self._ref is not None else []
+        self._ref = self.handle.status.remote(self._seq)
+        return events + self._wait_answer(timeout_s)
+
+    def _wait_answer(self, timeout_s: float) -> list[Event]:
+        ref, self._ref = self._ref, None
+        try:
+            st: SynchronizerStatus = ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.RayError as err:
+            logger.warning("synchronizer shard %d's last events: %s", self.shard, err)
+            return []
+        return self._answer(st, self.clock())
 
     def _silence(self, now: float, force: bool = False, detail: str = "") -> list[Event]:
         silent = now - self.last_ok
