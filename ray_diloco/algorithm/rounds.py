@@ -229,6 +229,19 @@ class RoundBook:
 
     # -- contributions (sections 5 and 7) ---------------------------------------------------
 
+    def taken_tokens(self, meta: ContributionMeta) -> int:
+        """Of `meta`'s tokens (its learner's since its base), those an earlier offer of the
+        same incarnation on the same base put into a merged round or the pending set: a
+        refusal of `meta` loses only the rest."""
+        member, frag = self.members.get(meta.learner), self.fragments.get(meta.fragment)
+        if member is None or frag is None or member.incarnation != meta.incarnation:
+            return 0
+        done, entry = frag.merged.get(meta.learner), frag.pending.get(meta.learner)
+        taken = [done[2]] if done is not None and done[0] == meta.base_version else []
+        if entry is not None and entry.meta.base_version == meta.base_version:
+            taken.append(entry.meta.num_tokens)
+        return min(meta.num_tokens, max(taken, default=0))
+
     def offer(
         self,
         meta: ContributionMeta,

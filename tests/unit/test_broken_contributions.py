@@ -275,3 +275,38 @@ def test_work_refused_then_merged_on_its_base_is_not_lost() -> None:
     later = ContributionMeta("b", 0, 0, 0, 8, 8, 8 * TOKENS_PER_STEP)
     assert core.offer(later, wire.encode_tree(_delta(core), "bfloat16"), 0.5) is Verdict.ACCEPTED
     assert core.rejected_tokens == 0
+
+
+def test_work_merged_then_refused_on_its_base_is_lost_only_past_the_merge() -> None:
+    # b's 4 steps on base 0 are merged; its next offer on that base, 6 steps since it, comes
+    # after 3 more versions and is refused as stale: 2 steps are lost, not 6 (before, the
+    # merged 4 were counted lost as well, and a run on a slow link lost more than it trained).
+    core = _core()  # bases at most 3 versions behind
+    first = _meta("b", base=0, step=4)
+    assert core.offer(first, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is Verdict.ACCEPTED
+    assert len(core.poll(now=0.5)) == 1
+    for version in range(1, 5):
+        meta = _meta("a", base=version, step=4 * version)
+        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
+            Verdict.ACCEPTED
+        )
+        assert len(core.poll(now=version + 0.5)) == 1
+    again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
+    encoded = wire.encode_tree(_delta(core), "bfloat16")
+    assert core.offer(again, encoded, 6.0) is Verdict.STALE_VERSION
+    assert core.rejected_tokens == 2 * TOKENS_PER_STEP
+    assert core.ledger.accounts["b"].merged[0] == first.num_tokens
+
+
+def test_work_pending_then_refused_on_its_base_is_lost_only_past_the_pending() -> None:
+    # b's 4 steps on base 0 wait in a round that needs a second learner; b's next offer on
+    # base 0 is refused as broken (non-finite): the 4 pending steps are merged when the round
+    # closes, so the refusal loses the 2 steps past them.
+    core = _core("diloco.quorum_min=2")
+    first = _meta("b", base=0, step=4)
+    assert core.offer(first, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is Verdict.ACCEPTED
+    nan = {k: wire.Encoded("float32", v.shape, v.tobytes(), b"") for k, v in _delta(core).items()}
+    nan = {k: dataclasses.replace(e, payload=b"\xff" * len(e.payload)) for k, e in nan.items()}
+    again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
+    assert core.offer(again, nan, 0.2) is Verdict.NON_FINITE
+    assert core.rejected_tokens == 2 * TOKENS_PER_STEP
