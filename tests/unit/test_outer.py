@@ -196,8 +196,20 @@ def test_accelerated_share_goes_through_momentum_and_the_rest_moves_g_as_it_is(
 def test_accelerated_out_of_range_is_refused() -> None:
     tx = make_outer_optimizer(OuterOptimizerConfig())
     values = {"w": np.zeros(2, np.float32)}
-    with pytest.raises(ValueError, match="accelerated"):
-        outer_step(tx, values, init_outer_state(tx, values), values, accelerated=0.0)
+    for accelerated in (0.0, 1.5):  # a share of the step: in (0, 1]
+        with pytest.raises(ValueError, match="accelerated"):
+            outer_step(tx, values, init_outer_state(tx, values), values, accelerated=accelerated)
+
+
+@pytest.mark.parametrize("reuse_grad", [False, True])
+def test_the_new_trace_and_values_keep_each_leafs_shape(reuse_grad: bool) -> None:
+    # The step works on flat views of each leaf; what it returns has the leaves' shapes.
+    tx = make_outer_optimizer(OuterOptimizerConfig())
+    values = {"w": np.ones((3, 4), np.float32), "b": np.ones(5, np.float32)}
+    grad = {k: np.full(v.shape, 0.1, np.float32) for k, v in values.items()}
+    new, state = outer_step(tx, values, init_outer_state(tx, values), grad, reuse_grad=reuse_grad)
+    for k, v in values.items():
+        assert new[k].shape == state["trace"][k].shape == v.shape
 
 
 def test_warmup_scales_the_learning_rate_over_the_first_rounds() -> None:
