@@ -4,7 +4,10 @@ pyproject.toml), runs the unit tests that reach the changed function, and a muta
 still pass "survived". The score is the share of mutants a test or the type checker caught.
 
 Every survivor has a verdict in `benchmarks/mutation_verdicts.json` (why it is equivalent, or
-which gap it shows); a survivor without one is listed as "not looked at". Needs the `mutation`
+which gap it shows), found by its function and the change it makes: mutmut numbers a
+function's mutants in order, so an edit to the function renames them, and a verdict found by
+name would judge whatever mutant took that number. A survivor without one is listed as "not
+looked at". Needs the `mutation`
 extra (`pip install -e '.[dev,mutation]'`); mutmut works in `mutants/` (ignored by git) and
 keeps its verdicts there, so a run stopped half-way resumes where it was.
 
@@ -59,6 +62,18 @@ def changed_lines(name: str) -> list[str]:
     ]
 
 
+def function_of(name: str) -> str:
+    """The mutated function, as mutmut names it (`module.x_function`)."""
+    return name.rsplit("__mutmut_", 1)[0]
+
+
+def load_verdicts() -> dict[tuple[str, tuple[str, ...]], str]:
+    """(function, the change's lines) -> verdict. The file lists each as the mutant's name
+    when judged (for a reader), its change and the verdict."""
+    listed = json.loads(VERDICTS.read_text()) if VERDICTS.exists() else []
+    return {(function_of(v["mutant"]), tuple(v["change"])): v["verdict"] for v in listed}
+
+
 def file_of(name: str) -> str:
     return name.split(".x")[0].rsplit(".", 1)[-1] + ".py"
 
@@ -89,7 +104,7 @@ def main() -> None:
         sys.exit("error: mutmut has no results; run without --report first")
     # a run stopped before its end leaves mutants no test has judged yet: counted apart
     checked = {n: s for n, s in found.items() if s != "not checked"}
-    verdicts: dict[str, str] = json.loads(VERDICTS.read_text()) if VERDICTS.exists() else {}
+    verdicts = load_verdicts()
     rows: list[dict[str, Any]] = []
     for module in sorted({file_of(n) for n in found}):
         mine = Counter(s for n, s in found.items() if file_of(n) == module)
@@ -108,16 +123,13 @@ def main() -> None:
             }
         )
     caught = sum(s in CAUGHT for s in checked.values())
-    survivors = [
-        {
-            "mutant": name,
-            "status": status,
-            "change": changed_lines(name),
-            "verdict": verdicts.get(name, "not looked at"),
-        }
-        for name, status in sorted(checked.items())
-        if status not in CAUGHT
-    ]
+    survivors = []
+    for name, status in sorted(checked.items()):
+        if status in CAUGHT:
+            continue
+        change = changed_lines(name)
+        verdict = verdicts.get((function_of(name), tuple(change)), "not looked at")
+        survivors.append({"mutant": name, "status": status, "change": change, "verdict": verdict})
     equivalent = sum(s["verdict"].startswith("equivalent") for s in survivors)
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
     meta = {
