@@ -310,3 +310,37 @@ def test_work_pending_then_refused_on_its_base_is_lost_only_past_the_pending() -
     again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
     assert core.offer(again, nan, 0.2) is Verdict.NON_FINITE
     assert core.rejected_tokens == 2 * TOKENS_PER_STEP
+
+
+def test_a_refused_offer_older_than_the_merged_work_on_its_base_loses_nothing() -> None:
+    # b's 6 steps on base 0 are merged; its 4-step offer on base 0, sent before them, arrives
+    # after 4 more versions and is refused as stale: every one of its steps was merged.
+    core = _core()
+    merged = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
+    assert core.offer(merged, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is (Verdict.ACCEPTED)
+    assert len(core.poll(now=0.5)) == 1
+    for version in range(1, 5):
+        meta = _meta("a", base=version, step=4 * version)
+        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
+            Verdict.ACCEPTED
+        )
+        assert len(core.poll(now=version + 0.5)) == 1
+    early = _meta("b", base=0, step=4)
+    assert core.offer(early, wire.encode_tree(_delta(core), "bfloat16"), 6.0) is (
+        Verdict.STALE_VERSION
+    )
+    assert core.rejected_tokens == 0
+
+
+def test_an_old_incarnations_refusal_counts_all_its_work_lost() -> None:
+    # b's new incarnation has work merged on base 0; the old process's offer on base 0 is
+    # fenced, and none of its work is in what the new incarnation merged.
+    core = _core()
+    core.register("b", 1, now=0.0, tokens_per_step=TOKENS_PER_STEP)
+    new = ContributionMeta("b", 1, 0, 0, 4, 4, 4 * TOKENS_PER_STEP)
+    assert core.offer(new, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is Verdict.ACCEPTED
+    assert len(core.poll(now=0.5)) == 1
+    old = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
+    encoded = wire.encode_tree(_delta(core), "bfloat16")
+    assert core.offer(old, encoded, 0.6) is Verdict.OLD_INCARNATION
+    assert core.rejected_tokens == old.num_tokens
