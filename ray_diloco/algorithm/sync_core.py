@@ -291,9 +291,9 @@ class SynchronizerCore:
     def _reject(self, verdict: Verdict, meta: ContributionMeta) -> Verdict:
         self.rejected[verdict.value] = self.rejected.get(verdict.value, 0) + 1
         # Tokens refused: the work lost. An implausible claim's counters are not believed; a
-        # replay repeats an offer whose tokens were taken when it first arrived; an offer on a
-        # base the learner's earlier offer on it was merged from (or waits on) also counts
-        # that work, which is not lost.
+        # replay repeats an offer whose tokens were taken when it first arrived. An offer's
+        # counters run from its base, so they include what an earlier offer on that base put
+        # into a round: only the rest is lost.
         if verdict not in (Verdict.IMPLAUSIBLE, Verdict.REPLAYED):
             key, lost = _work(meta), meta.num_tokens - self.book.taken_tokens(meta)
             self._refused[key] = max(self._refused.get(key, 0), lost)

@@ -41,6 +41,24 @@ def _state(core: SynchronizerCore) -> tuple[dict[str, np.ndarray], dict[int, int
     return values, core.book.versions(), merged
 
 
+def _nan(core: SynchronizerCore) -> dict[str, wire.Encoded]:
+    """A NaN update of fragment 0 (`wire.encode` refuses NaN: a broken learner's bytes, built
+    by hand)."""
+    nan = {k: wire.Encoded("float32", v.shape, v.tobytes(), b"") for k, v in _delta(core).items()}
+    return {k: dataclasses.replace(e, payload=b"\xff" * len(e.payload)) for k, e in nan.items()}
+
+
+def _rounds_of_a(core: SynchronizerCore, bases: range) -> None:
+    """Learner a alone moves fragment 0 on: one offer on each of `bases` (4 steps since the
+    one before), each merged in a round of its own."""
+    for version in bases:
+        meta = _meta("a", base=version, step=4 * (version + 1))
+        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
+            Verdict.ACCEPTED
+        )
+        assert len(core.poll(now=version + 0.5)) == 1
+
+
 def _wrong_shape(core: SynchronizerCore) -> tuple[ContributionMeta, dict[str, wire.Encoded]]:
     delta = _delta(core)
     name = next(iter(delta))
@@ -196,9 +214,7 @@ def test_corrupted_update_is_refused_by_the_norm_guard_and_changes_nothing() -> 
     before = _state(core)
     blown_up = wire.encode_tree(_delta(core, size=10.0), "bfloat16")
     assert core.offer(_meta(base=3, step=step + 4), blown_up, now=4.0) is Verdict.NORM_OUTLIER
-    # (`wire.encode` refuses NaN: a broken learner's bytes, built by hand)
-    nan = {k: wire.Encoded("float32", v.shape, v.tobytes(), b"") for k, v in _delta(core).items()}
-    nan = {k: dataclasses.replace(e, payload=b"\xff" * len(e.payload)) for k, e in nan.items()}
+    nan = _nan(core)
     assert core.offer(_meta(base=3, step=step + 8), nan, now=4.1) is Verdict.NON_FINITE
     assert core.poll(now=5.0) == []
     values, versions, merged = _state(core)
@@ -249,12 +265,7 @@ def test_an_old_incarnations_pending_contribution_is_merged_not_waited_for() -> 
 
 def test_work_refused_twice_on_one_base_is_lost_once() -> None:
     core = _core()  # bases at most 3 versions behind
-    for version in range(4):
-        meta = _meta("a", base=version, step=4 * (version + 1))
-        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
-            Verdict.ACCEPTED
-        )
-        assert len(core.poll(now=version + 0.5)) == 1
+    _rounds_of_a(core, range(4))
     first = _meta("b", base=0, step=4)  # 4 steps since base 0, now 4 versions behind
     again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)  # 6 since base 0
     for meta in (first, again):
@@ -279,18 +290,13 @@ def test_work_refused_then_merged_on_its_base_is_not_lost() -> None:
 
 def test_work_merged_then_refused_on_its_base_is_lost_only_past_the_merge() -> None:
     # b's 4 steps on base 0 are merged; its next offer on that base, 6 steps since it, comes
-    # after 3 more versions and is refused as stale: 2 steps are lost, not 6 (before, the
-    # merged 4 were counted lost as well, and a run on a slow link lost more than it trained).
+    # after 4 more versions and is refused as stale: 2 steps are lost, not 6 (counting the
+    # merged 4 as lost too makes a learner lose more than it trained).
     core = _core()  # bases at most 3 versions behind
     first = _meta("b", base=0, step=4)
     assert core.offer(first, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is Verdict.ACCEPTED
     assert len(core.poll(now=0.5)) == 1
-    for version in range(1, 5):
-        meta = _meta("a", base=version, step=4 * version)
-        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
-            Verdict.ACCEPTED
-        )
-        assert len(core.poll(now=version + 0.5)) == 1
+    _rounds_of_a(core, range(1, 5))
     again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
     encoded = wire.encode_tree(_delta(core), "bfloat16")
     assert core.offer(again, encoded, 6.0) is Verdict.STALE_VERSION
@@ -305,8 +311,7 @@ def test_work_pending_then_refused_on_its_base_is_lost_only_past_the_pending() -
     core = _core("diloco.quorum_min=2")
     first = _meta("b", base=0, step=4)
     assert core.offer(first, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is Verdict.ACCEPTED
-    nan = {k: wire.Encoded("float32", v.shape, v.tobytes(), b"") for k, v in _delta(core).items()}
-    nan = {k: dataclasses.replace(e, payload=b"\xff" * len(e.payload)) for k, e in nan.items()}
+    nan = _nan(core)
     again = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
     assert core.offer(again, nan, 0.2) is Verdict.NON_FINITE
     assert core.rejected_tokens == 2 * TOKENS_PER_STEP
@@ -317,14 +322,9 @@ def test_a_refused_offer_older_than_the_merged_work_on_its_base_loses_nothing() 
     # after 4 more versions and is refused as stale: every one of its steps was merged.
     core = _core()
     merged = ContributionMeta("b", 0, 0, 0, 6, 6, 6 * TOKENS_PER_STEP)
-    assert core.offer(merged, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is (Verdict.ACCEPTED)
+    assert core.offer(merged, wire.encode_tree(_delta(core), "bfloat16"), 0.1) is Verdict.ACCEPTED
     assert len(core.poll(now=0.5)) == 1
-    for version in range(1, 5):
-        meta = _meta("a", base=version, step=4 * version)
-        assert core.offer(meta, wire.encode_tree(_delta(core), "bfloat16"), version + 0.1) is (
-            Verdict.ACCEPTED
-        )
-        assert len(core.poll(now=version + 0.5)) == 1
+    _rounds_of_a(core, range(1, 5))
     early = _meta("b", base=0, step=4)
     assert core.offer(early, wire.encode_tree(_delta(core), "bfloat16"), 6.0) is (
         Verdict.STALE_VERSION
