@@ -1,8 +1,9 @@
 """Goodput under failures: the same model, data, token budget and seeded failure schedule in
-`decoupled` (K = 2 without grace, the default; with grace; K = 1), `synchronous` and
-`data_parallel` modes at three failure intensities, on the in-process reference run (virtual
-clock; `ray_diloco.sim.sim_faults` charges what a failure costs; the Ray chaos suite in
-tests/chaos proves the real system recovers).
+`decoupled` (the default: rounds pulled by the synchronizer, K = 1; and the learners' own
+offers: K = 2 without grace, with grace, K = 1), `synchronous` and `data_parallel` modes at
+three failure intensities, on the in-process reference run (virtual clock;
+`ray_diloco.sim.sim_faults` charges what a failure costs; the Ray chaos suite in tests/chaos
+proves the real system recovers).
 
 Intensities, per learner, in inner steps of `step_time_s` (0.05 virtual s): none; moderate,
 a failure every 1000 steps on average; aggressive, every 200 steps. A failed learner needs
@@ -178,7 +179,10 @@ def main() -> None:
         results = {}
         for key, future in zip(keys, futures, strict=True):
             results[key] = s = future.result()
-            line = f"goodput {s['goodput']:.3f} uptime {s['uptime']:.3f}"
+            line = (
+                f"goodput {s['goodput']:.3f} (merged {s['goodput_merged']:.3f})"
+                f" uptime {s['uptime']:.3f}"
+            )
             mode, intensity, seed = key
             print(f"{mode:13s} {intensity:10s} {seed} {line} ({s['wall_s']:.0f}s)", flush=True)
     # target: the worst fault-free final loss, so every fault-free run reaches it
@@ -195,6 +199,8 @@ def main() -> None:
                 "num_failures": s["failures"],
                 "goodput": s["goodput"],
                 "goodput_vs_dp": s["goodput"] / dp if dp else None,
+                # the step time whose work reached the global model (the ledger's merged share)
+                "goodput_merged": s["goodput_merged"],
                 "uptime": s["uptime"],
                 "tokens_per_virtual_s": s["tokens"] / s["virtual_time_s"],
                 "time_to_target_s": time_to(s["evals"], target),
@@ -214,6 +220,7 @@ def main() -> None:
         "num_failures",
         "goodput",
         "goodput_vs_dp",
+        "goodput_merged",
         "uptime",
         "tokens_per_virtual_s",
         "time_to_target_s",

@@ -1,13 +1,17 @@
 """Scavenging: a base of 4 learners plus temporary ones that add +0% to +300% compute for part
-of the run, at the same token budget, in the in-process reference run (virtual clock).
+of the run, in the in-process reference run (virtual clock), at the same token budget and with
+the temporary learners' tokens added to it.
 
 The temporary learners (copies of a base learner) join at 25% and leave at 75% of the base
 run's virtual duration (`elastic.schedule`; a joiner boots for `chaos.restart_s` before it
 registers; a leaver offers its unsent work and gives its unread data back). Data-parallel gets
 the same extra hosts at the same fractions of its own base duration: it splits its fixed
 global batch over them (faster steps) but re-meshes on every change
-(`elastic.remesh_steps`). Reported: virtual time to a target held-out loss (each system's own
-base-run loss at 80% of the budget, interpolated between evaluations), relative to the base.
+(`elastic.remesh_steps`). Two readings: the same token budget (the extra compute's tokens
+replace the base learners'), and the budget grown by the tokens the extra compute trains over
+the window, the learning-rate schedule still the base run's (`inner.decay_tokens`). Reported:
+virtual time to a target held-out loss (each system's own base-run loss at 80% of its budget,
+interpolated between evaluations), relative to the base.
 Published (Decoupled DiLoCo): 1.00 / 0.90 / 0.83 / 0.75 / 0.62, data-parallel 1.00 / 1.07 /
 1.09 / 1.02 / 0.80. A second table keeps the extra learners for the whole run (4 against 8, at
 32 and at 2 sequences per learner) to tell the model's critical batch from the merge's cost of
@@ -41,6 +45,7 @@ PUBLISHED = {
 }
 WINDOW = (0.25, 0.75)  # temporary learners present during this part of the base duration
 TARGET_AT = 0.8  # the target loss: the base run's at this fraction of the token budget
+ADDED = ", tokens added"  # a system's runs whose budget grows with the extra compute
 NUM_EVALS = 40
 BUDGET = ["token_budget=2000000"]
 # A smoke setting: a run of ~1 virtual s, so boots and re-meshes are scaled down with it.
@@ -52,13 +57,20 @@ def reference_tree(mode: str, quick: bool) -> dict[str, Any]:
     return base.model_dump(mode="json")
 
 
-def config(mode: str, extra: int, base_s: float, quick: bool, runs: Path) -> RunConfig:
+def config(
+    mode: str, extra: int, base_s: float, quick: bool, runs: Path, added: bool = False
+) -> RunConfig:
     """`runs`: the directory of this invocation's run dirs (a run dir holding a finished run
-    is refused, never overwritten)."""
+    is refused, never overwritten); `added`: the budget grows by the tokens `extra` % more
+    compute trains over the window, and the schedule decays over the base budget."""
     tree = reference_tree(mode, quick)
-    tree["elastic"]["schedule"] = window(tree["learners"][0], extra, base_s)
-    tree["run_dir"] = str(runs / f"{mode}-{extra}")
-    return build_config(tree, f"scavenging {mode} +{extra}")
+    if added:
+        budget = tree["token_budget"]
+        tree["inner"]["decay_tokens"] = budget
+        tree["token_budget"] = round(budget * (1 + extra / 100 * (WINDOW[1] - WINDOW[0])))
+    tree["elastic"]["schedule"] = window(tree["learners"][0], EXTRA[extra], base_s)
+    tree["run_dir"] = str(runs / f"{mode}-{extra}{'-added' if added else ''}")
+    return build_config(tree, f"scavenging {mode}{ADDED if added else ''} +{extra}")
 
 
 def window(template: dict[str, Any], extra: int, base_s: float) -> list[dict[str, Any]]:
@@ -122,30 +134,38 @@ def plot(
     results: dict[tuple[str, int], dict[str, Any]], rows: list[dict[str, Any]], out: Path, name: str
 ) -> None:
     """Left: the decoupled runs' held-out loss over the part of the run where the levels differ
-    (the window's shading, the target as a line). Right: time to the target against extra
-    compute for every system in `rows`, a run that never reached it marked on the top edge."""
+    (the window's shading, the target as a line; dashed: the budget grown by the extra
+    compute's tokens). Right: time to the target against extra compute for every system in
+    `rows`, a run that never reached it marked on the top edge."""
     fig = Figure(figsize=(12, 4.6))
     ax_loss, ax_rel = fig.subplots(1, 2)
     target = next(r["target_loss"] for r in rows if r["mode"] == "decoupled")
-    for extra in EXTRA:
-        s = results[("decoupled", extra)]
-        ax_loss.plot(
-            [e["t"] for e in s["evals"]],
-            [e["heldout_loss"] for e in s["evals"]],
-            label=f"decoupled +{extra}%",
-        )
+    for i, extra in enumerate(EXTRA):
+        for system, style in (("decoupled", "-"), ("decoupled" + ADDED, "--")):
+            if (s := results.get((system, extra))) is None or (extra == 0 and style == "--"):
+                continue
+            ax_loss.plot(
+                [e["t"] for e in s["evals"]],
+                [e["heldout_loss"] for e in s["evals"]],
+                color=f"C{i}",
+                linestyle=style,
+                label=f"decoupled +{extra}%" if style == "-" else None,
+            )
     base_s = results[("decoupled", 0)]["virtual_time_s"]
     ax_loss.axvspan(*(f * base_s for f in WINDOW), color="grey", alpha=0.12)
     ax_loss.axhline(target, color="black", linestyle=":", linewidth=1)
     ax_loss.annotate(
         f"target {target:.3f}", (0.02, target), xycoords=("axes fraction", "data"), va="bottom"
     )
-    ax_loss.set_xlim(WINDOW[0] * base_s * 0.6, base_s * 1.02)
-    finals = [results[("decoupled", x)]["heldout_loss"] for x in EXTRA]
+    ends = max(s["virtual_time_s"] for (m, _), s in results.items() if m.startswith("decoupled"))
+    ax_loss.set_xlim(WINDOW[0] * base_s * 0.6, ends * 1.02)
+    finals = [s["heldout_loss"] for (m, _), s in results.items() if m.startswith("decoupled")]
     ax_loss.set_ylim(
         min(finals) - 0.05, max(target + 4 * (target - min(finals)), max(finals) + 0.03)
     )
-    ax_loss.set_xlabel("virtual time (s); shaded: temporary learners present")
+    ax_loss.set_xlabel(
+        "virtual time (s); shaded: temporary learners present; dashed: their tokens added"
+    )
     ax_loss.set_ylabel("held-out loss (nats per byte)")
     ax_loss.set_title("decoupled, temporary learners at 25-75% of the base run")
     ax_loss.legend(fontsize=8)
@@ -153,6 +173,8 @@ def plot(
     styles = {
         "decoupled": ("o", "C0"),
         "data_parallel": ("s", "C1"),
+        "decoupled" + ADDED: ("o", "C4"),
+        "data_parallel" + ADDED: ("s", "C5"),
         "decoupled, Ray's setting in-process": ("^", "C2"),
         "decoupled on Ray": ("D", "C3"),
     }
@@ -160,13 +182,23 @@ def plot(
         runs = sorted({r["mode"] for r in rows if r["mode"].split(RUN_SUFFIX)[0] == system})
         count = f", {len(runs)} runs" if len(runs) > 1 else ""
         for i, mode in enumerate(runs):
-            mine = [r for r in rows if r["mode"] == mode]
+            # a grown budget's line starts at its base run
+            base = mode.removesuffix(ADDED)
+            mine = [
+                r
+                for r in rows
+                if r["mode"] == mode
+                or (base != mode and (r["mode"], r["extra_compute_pct"]) == (base, 0))
+            ]
             reached = [r for r in mine if r["relative_time"] is not None]
+            # open markers, dotted: a grown budget's line may lie on its system's
             ax_rel.plot(
                 [r["extra_compute_pct"] for r in reached],
                 [r["relative_time"] for r in reached],
                 marker=marker,
                 color=color,
+                linestyle=":" if base != mode else "-",
+                markerfacecolor="none" if base != mode else color,
                 label=None if i else f"{system} (measured{count})",
             )
             # nudged sideways so that two systems missing at one level both show
@@ -265,6 +297,7 @@ def rows_for(
                 "relative_time": t / t_base if t is not None and t_base else None,
                 "published": published[extra],
                 "final_loss": s["heldout_loss"],
+                "tokens": s["tokens"],
                 "run_time_s": s[clock],
                 "ledger_violations": len(s.get("ledger_violations", [])),
             }
@@ -323,29 +356,34 @@ def main() -> None:
         for m in modes:
             results[(m, 0)] = bases[m].result()
         jobs = {
-            (m, extra): pool.submit(
-                run, config(m, n, results[(m, 0)]["virtual_time_s"], args.quick, runs)
+            (m + (ADDED if added else ""), extra): pool.submit(
+                run, config(m, extra, results[(m, 0)]["virtual_time_s"], args.quick, runs, added)
             )
+            for added in (False, True)
             for m in modes
             for extra, n in EXTRA.items()
             if n
         }
         for key, job in jobs.items():
             results[key] = job.result()
-            print(f"{key[0]:13s} +{key[1]:3d}%  done ({results[key]['wall_s']:.0f} s)", flush=True)
+            print(f"{key[0]:28s} +{key[1]:3d}%  done ({results[key]['wall_s']:.0f} s)", flush=True)
         whole = {
             key: results[(key[0], 0)] if key not in whole_jobs else whole_jobs[key].result()
             for key in whole_keys
         }
+        # each reading against the same base run
         rows = [
             row
             for m in modes
+            for system in (m, m + ADDED)
             for row in rows_for(
-                m,
+                system,
                 PUBLISHED[m],
-                {x: s for (mode, x), s in results.items() if mode == m},
+                {0: results[(m, 0)]}
+                | {x: s for (mode, x), s in results.items() if mode == system and x},
                 "virtual_time_s",
             )
+            if row["extra_compute_pct"] or system == m
         ]
         if twin is not None:
             rows += rows_for(
