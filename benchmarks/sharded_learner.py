@@ -9,7 +9,7 @@ P = 4 (a fragment falls due every 4th step), the config's int4 offers. Measured:
 
 1. per-device bytes of parameters + optimizer state, sharded against the replicated layout of
    the same slice (mesh {data: 4, fsdp: 1}): from the live arrays (each leaf's first
-   addressable shard) and from `sharding.device_bytes` arithmetic. Goal: <= 0.30x;
+   addressable shard) and from `partitioning.device_bytes` arithmetic. Goal: <= 0.30x;
 2. tokens/s of ray-diloco's learner (`LearnerCore` in the Ray learner loop's order: dispatch
    the step, collect the previous step's offers, float(loss), begin this step's offers)
    against a bare jitted FSDP loop written here (its own jax.jit of value_and_grad + optax
@@ -177,10 +177,10 @@ def all_shard_bytes(tree: Any) -> int:
 
 def layout_bytes(core: Any, tree: Any) -> dict[str, Any]:
     """Device 0's bytes of parameters and optimizer state, live and by arithmetic."""
-    from ray_diloco.algorithm import sharding
+    from ray_diloco.algorithm import partitioning
 
     sizes = dict(core.layout.mesh.shape)
-    arithmetic = sharding.device_bytes(core.tx, tree, core.layout.specs, sizes)
+    arithmetic = partitioning.device_bytes(core.tx, tree, core.layout.specs, sizes)
     params, opt = first_shard_bytes(core.params), first_shard_bytes(core.opt_state)
     return {
         "mesh": sizes,

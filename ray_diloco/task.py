@@ -98,7 +98,7 @@ class Task:
     sharding: how each leaf is laid out over the learner's mesh (axes "data", "fsdp",
         "tensor"): `(key path, shape) -> PartitionSpec | None`, or `[(regex, PartitionSpec)]`
         rules matched against the key path; None (the leaf, or the whole field) falls back to
-        the leaf's Flax partitioning metadata, then to FSDP (algorithm/sharding.py).
+        the leaf's Flax partitioning metadata, then to FSDP (algorithm/partitioning.py).
     logical_axis_rules: `[(logical name, mesh axis or None)]` for names in the specs or
         metadata that are not mesh axes (Flax/MaxText style: `("embed", "fsdp")`).
     """

@@ -3,9 +3,10 @@ figures `ray-diloco plan` checks against a chip's HBM (cluster/plan.py) before a
 TPUs. From shapes alone: nothing is computed or placed on a device.
 
 Parameters, gradients and the inner optimizer's state come from the learner's own layout
-(`sharding.device_bytes` on its mesh, with the task's sharding rules or FSDP). Activations are
-an estimate, stated in `example_activation_bytes`. The plan imports none of this (it must run
-without JAX): the command computes the figures here and hands the plan the numbers.
+(`partitioning.device_bytes` on its mesh, with the task's sharding rules or FSDP).
+Activations are an estimate, stated in `example_activation_bytes`. The plan imports none of
+this (it must run without JAX): the command computes the figures here and hands the plan the
+numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ray_diloco.algorithm import inner, sharding
+from ray_diloco.algorithm import inner, partitioning
 from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.algorithm.setup import layout_of, learner_specs, task_of, total_inner_steps
 from ray_diloco.config import ConfigError, RunConfig
@@ -94,7 +95,7 @@ def learner_memory(cfg: RunConfig, task: Task | None = None) -> dict[str, ChipMe
     out = {}
     for lg in cfg.learners:
         sizes = lg.mesh_sizes
-        held = sharding.device_bytes(tx, tree, learner_specs(cfg, task, lg, sizes, tree), sizes)
+        held = partitioning.device_bytes(tx, tree, learner_specs(cfg, task, lg, sizes, tree), sizes)
         examples = lg.batch_size // (sizes["data"] * sizes["fsdp"])
         activations = None if per_example is None else per_example * examples
         out[lg.name] = ChipMemory(

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from ray_diloco.algorithm import inner, sharding
+from ray_diloco.algorithm import inner, partitioning, sharding
 from ray_diloco.algorithm.fragments import FragmentPlan, plan_fragments
 from ray_diloco.algorithm.pytree import TreeLayout
 from ray_diloco.config import ConfigError, InnerOptimizerConfig, LearnerGroupConfig, RunConfig
@@ -46,7 +46,7 @@ def init_key(cfg: RunConfig) -> jax.Array:
 def annotations_only() -> Iterator[None]:
     """Flax >= 0.12 shards an annotated NNX variable as it is created, which needs a mesh in
     context; ray_diloco reads the annotations and lays the leaves out itself
-    (algorithm/sharding.py), so `task.init` runs with that off."""
+    (algorithm/partitioning.py), so `task.init` runs with that off."""
     try:
         from flax import nnx
     except ImportError:  # a task without Flax
@@ -134,14 +134,14 @@ def learner_specs(
     ConfigError naming the learner and the leaf when the task's rules do not fit it."""
     tree = tree or layout_of(cfg, task)
     try:
-        return sharding.leaf_specs(
+        return partitioning.leaf_specs(
             task,
             tree,
             abstract_params(cfg, task),
             sizes or lg.mesh_sizes,
             lg.mesh.min_shard_elements,
         )
-    except sharding.ShardingError as err:
+    except partitioning.ShardingError as err:
         raise ConfigError(f"learners: {lg.name!r} (mesh {lg.mesh.describe()}): {err}") from None
 
 

@@ -13,7 +13,7 @@ MESH_AXES = ("data", "fsdp", "tensor")  # outermost first: tensor is innermost (
 class MeshConfig(_Frozen):
     """The learner's one mesh over every device of every host of its slice. -1 takes what the
     other axes leave (at most one axis). The batch is split over `data` x `fsdp`; the default
-    sharding rule splits each large leaf over `fsdp` (algorithm/sharding.py)."""
+    sharding rule splits each large leaf over `fsdp` (algorithm/partitioning.py)."""
 
     data: int = Field(1, description="replicas of the parameters; the batch is split over them")
     fsdp: int = Field(-1, description="parameters, optimizer state and batch split over it")

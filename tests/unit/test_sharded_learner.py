@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ray_diloco.algorithm import sharding, wire
+from ray_diloco.algorithm import partitioning, sharding, wire
 from ray_diloco.algorithm.downstream import Message
 from ray_diloco.algorithm.learner_core import LearnerCore, compile_ahead
 from ray_diloco.algorithm.setup import Setup, check_task, learner_layout
@@ -72,7 +72,7 @@ def test_a_tensor_parallel_rule_from_the_task_is_applied() -> None:
     setup = Setup.build(cfg)
     rules = [(r"mlp/up/kernel$", P("fsdp", "tensor")), (r"mlp/down/kernel$", P("tensor", "fsdp"))]
     task = Task(setup.task.init, setup.task.loss, setup.task.data, sharding=rules)
-    specs = sharding.leaf_specs(task, setup.layout, None, cfg.learners[0].mesh_sizes, 256)
+    specs = partitioning.leaf_specs(task, setup.layout, None, cfg.learners[0].mesh_sizes, 256)
     up, down = "blocks/0/mlp/up/kernel", "blocks/0/mlp/down/kernel"
     assert specs[up] == P("fsdp", "tensor") and specs[down] == P("tensor", "fsdp")
     assert specs["blocks/0/attn/q/kernel"] == P("fsdp", None)  # the default for the rest
@@ -109,7 +109,7 @@ def test_flax_metadata_and_logical_rules_lay_the_leaves_out() -> None:
     with annotations_only():
         state = jax.eval_shape(lambda: nnx.state(Nnx(nnx.Rngs(0))))
     task = Task(init=lambda rng: state, loss=lambda p, b: (0.0, {}), data=None)  # type: ignore[arg-type]
-    specs = sharding.leaf_specs(task, TreeLayout.of(state), state, sizes, 4)
+    specs = partitioning.leaf_specs(task, TreeLayout.of(state), state, sizes, 4)
     assert specs["up/kernel"] == P(None, "tensor") and specs["up/bias"] == P("fsdp")
 
     params = jax.eval_shape(lambda: Linen().init(jax.random.key(0), np.ones((1, 8))))
@@ -117,11 +117,11 @@ def test_flax_metadata_and_logical_rules_lay_the_leaves_out() -> None:
     task = Task(
         init=lambda rng: params, loss=lambda p, b: (0.0, {}), data=None, logical_axis_rules=logical
     )  # type: ignore[arg-type]
-    specs = sharding.leaf_specs(task, TreeLayout.of(params), params, sizes, 4)
+    specs = partitioning.leaf_specs(task, TreeLayout.of(params), params, sizes, 4)
     assert specs["params/Dense_0/kernel"] == P("fsdp", "tensor")
     bare = Task(init=lambda rng: params, loss=lambda p, b: (0.0, {}), data=None)  # type: ignore[arg-type]
-    with pytest.raises(sharding.ShardingError, match="'embed' is neither a mesh axis"):
-        sharding.leaf_specs(bare, TreeLayout.of(params), params, sizes, 4)
+    with pytest.raises(partitioning.ShardingError, match="'embed' is neither a mesh axis"):
+        partitioning.leaf_specs(bare, TreeLayout.of(params), params, sizes, 4)
 
 
 def test_a_received_fragment_keeps_its_layout_and_the_step_compiles_once() -> None:
@@ -215,17 +215,17 @@ def test_a_rule_that_does_not_divide_a_leaf_is_refused_and_the_default_fits_any_
     setup = Setup.build(cfg)
     rules = [("mlp/up", P(None, "fsdp"))]
     task = Task(setup.task.init, setup.task.loss, setup.task.data, sharding=rules)
-    with pytest.raises(sharding.ShardingError, match="do not divide its axis of 66"):
-        sharding.leaf_specs(task, setup.layout, None, cfg.learners[0].mesh_sizes, 256)
+    with pytest.raises(partitioning.ShardingError, match="do not divide its axis of 66"):
+        partitioning.leaf_specs(task, setup.layout, None, cfg.learners[0].mesh_sizes, 256)
     check_task(cfg)  # FSDP replicates a leaf none of whose axes 4 divides
 
 
 def test_default_rule_picks_the_largest_divisible_axis() -> None:
-    assert sharding.default_spec((50257, 768), 4, 1) == P(None, "fsdp")
-    assert sharding.default_spec((768, 3072), 4, 1) == P(None, "fsdp")
-    assert sharding.default_spec((3072, 768), 4, 1) == P("fsdp", None)
-    assert sharding.default_spec((768,), 4, 2**14) == P()
-    assert sharding.default_spec((7, 9), 4, 1) == P()
+    assert partitioning.default_spec((50257, 768), 4, 1) == P(None, "fsdp")
+    assert partitioning.default_spec((768, 3072), 4, 1) == P(None, "fsdp")
+    assert partitioning.default_spec((3072, 768), 4, 1) == P("fsdp", None)
+    assert partitioning.default_spec((768,), 4, 2**14) == P()
+    assert partitioning.default_spec((7, 9), 4, 1) == P()
 
 
 def test_the_layout_report_measures_the_live_arrays() -> None:
