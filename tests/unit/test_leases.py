@@ -1,4 +1,4 @@
-"""Data leases (algorithm/leases.py, LeaseReader in algorithm/learner_core.py): any number of
+"""Data leases (algorithm/leases.py, LeaseReader in algorithm/lease_reader.py): any number of
 learners over time read every token once, across joins, leaves, restarts and restores."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_diloco.algorithm.learner_core import DataStarved, LeaseReader
+from ray_diloco.algorithm.lease_reader import DataStarved, LeaseReader
 from ray_diloco.algorithm.leases import DataPool, Lease
 from ray_diloco.tasks.windows import TokenWindows
 
