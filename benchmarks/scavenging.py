@@ -10,8 +10,8 @@ global batch over them (faster steps) but re-meshes on every change
 (`elastic.remesh_steps`). Two readings: the same token budget (the extra compute's tokens
 replace the base learners'), and the budget grown by the tokens the extra compute trains over
 the window, the learning-rate schedule still the base run's (`inner.decay_tokens`). Reported:
-virtual time to a target held-out loss (each system's own base-run loss at 80% of its budget,
-interpolated between evaluations), relative to the base.
+virtual time to a target held-out loss (each system's own base-run loss at 80% of the base
+budget, interpolated between evaluations), relative to the base.
 Published (Decoupled DiLoCo): 1.00 / 0.90 / 0.83 / 0.75 / 0.62, data-parallel 1.00 / 1.07 /
 1.09 / 1.02 / 0.80. A second table keeps the extra learners for the whole run (4 against 8, at
 32 and at 2 sequences per learner) to tell the model's critical batch from the merge's cost of
