@@ -134,6 +134,7 @@ def goodput(data: dict[str, Any]) -> str:
             "failures (count)": f"{r['failures']} ({r['num_failures']})",
             "goodput": _num(r["goodput"]),
             "vs data-parallel": _num(r["goodput_vs_dp"], 2),
+            "goodput (merged work)": _num(r["goodput_merged"]),
             "uptime": _num(r["uptime"]),
             "tokens / virtual s": f"{r['tokens_per_virtual_s']:,.0f}",
             "virtual s to target loss": _num(r["time_to_target_s"], 1),
