@@ -378,11 +378,11 @@ def _run_data_parallel(sim: _Sim) -> dict[str, Any]:
             next_eval += eval_every
     sim.eval_point(now, core.cursor, core.params)
     link_bytes = core.step * allreduce_bytes * cfg.num_learners
-    productive = goodput([busy - lost], [allocated])
+    share = goodput([busy - lost], [allocated])
     return {
-        "goodput": productive,
+        "goodput": share,
         # Every step's update is the model's: only work since a lost checkpoint is not.
-        "goodput_merged": productive,
+        "goodput_merged": share,
         "uptime": uptime(step_times, 0.0, now, UPTIME_WINDOW_STEPS * cfg.step_time_s),
         "failures": len(struck),
         "failure_times": struck,
