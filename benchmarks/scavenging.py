@@ -87,8 +87,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from ray_diloco.sim.simulate import run_reference
 
     # A grown budget is evaluated at its base budget's spacing, more often in all: at a
-    # coarser spacing the interpolated time to the target moves (measured: data-parallel with
-    # tokens added, which is its base run up to 2M, read 0.883 against the base's 0.892).
+    # coarser spacing the time to the target, interpolated between evaluations, would differ
+    # from that of the same run's base even where the two runs are one.
     base_budget = cfg.inner.decay_tokens or cfg.token_budget
     t0 = time.perf_counter()
     summary = run_reference(cfg, num_evals=round(NUM_EVALS * cfg.token_budget / base_budget))
