@@ -110,36 +110,43 @@ def test_kill_host_restarts_the_whole_multi_host_learner(
     assert run.summary["learners"]["v5p"]["incarnation"] == 1
 
 
+# Faults that take a learner down may share a run when they hit the same learner, one after the
+# other: the chaos engine holds a fault until its learner is back (`runtime/supervisor/faults.py`),
+# so the other learner trains throughout, and the tape attributes every detection and recovery to
+# the earliest fault it explains (`control/recovery.py`). Not a hang and then another fault: a hung
+# learner counts as up until the hang is detected, so the next fault must wait out the timeout's
+# ceiling (30 s). Merged so, hang_host and remove_node took 165 s in one suite run, against 70 s and
+# 59 s apart in another; kill_group and the corruptions 56 s, against 89 s and 59 s (clean
+# clones, 2 cores).
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_remove_node_rebuilds_the_group_elsewhere(
+def test_a_removed_node_and_a_hung_host_are_detected_and_the_learner_rebuilt(
     tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
 ) -> None:
-    # The raylet of `us`'s node dies; the group is rebuilt on the other us-east5 host while
-    # the node replacer brings a host with the same slice identity back for later tests.
+    # The raylet of `us`'s node dies: the group is rebuilt on the other us-east5 host while
+    # the node replacer brings a host with the same slice identity back for later tests. Once
+    # `us` is back (the hang is due while `us` is still down on any machine, so it waits), its
+    # host is stopped for 5 s: a silence only the heartbeat timeout can tell, and another
+    # restart.
+    faults = [
+        {"at_s": 2.0, "kind": "remove_node", "target": "us"},
+        {"at_s": 10.0, "kind": "hang_host", "target": "us", "duration_s": 5},
+    ]
     with NodeReplacer(tpu_cluster) as replacer:
-        fault = {"kind": "remove_node", "target": "us"}
-        run = run_one(tmp_path, "remove-node", fault)
+        run = run_chaos(chaos_config(tmp_path, "node-hang", BUDGET, faults))
     check_run(run, reference_loss(BUDGET))
     assert len(replacer.replaced) == 1 and replacer.replaced[0][0] == "v5p"
-    (failure,) = failures(run, "us")
-    assert failure.failure in (FailureKind.NODE_LOST, FailureKind.HANG)
-
-
-@pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_hang_host_is_detected_by_heartbeat_timeout(
-    tpu_cluster: TpuCluster, tmp_path: Path, reference_loss: Reference
-) -> None:
-    fault = {"kind": "hang_host", "target": "us", "duration_s": 5}
-    run = run_one(tmp_path, "hang-host", fault)
-    check_run(run, reference_loss(BUDGET))
-    (failure,) = failures(run, "us")
-    assert failure.failure is FailureKind.HANG
+    node_lost, hang = failures(run, "us")
+    assert node_lost.failure in (FailureKind.NODE_LOST, FailureKind.HANG)
+    assert hang.failure is FailureKind.HANG
     # The heartbeat timeout in force (2 s on an idle machine; longer, up to its ceiling, when
     # the host's answers came slower: control/detector.py) + one poll and a late tick.
-    timeout = failure.timeout_s
+    timeout = hang.timeout_s
     assert timeout is not None and 2.0 <= timeout <= run.cfg.supervisor.heartbeat_timeout_max_s
     detection = run.outcome("hang_host").detection_s
     assert detection is not None and detection <= timeout + 1.5, (detection, timeout)
+    assert failures(run, "eu") == []
 
 
 # Faults that need no restart share a run, each on its own learner or one after the other: the
@@ -168,16 +175,6 @@ def refused(run: ChaosRun, reason: str) -> list[str]:
     return [
         e.learner for e in run.events if isinstance(e, ContributionRejected) and e.reason == reason
     ]
-
-
-# Faults that take a learner down may share a run when they hit the same learner, one after the
-# other: the chaos engine holds a fault until its learner is back (`runtime/supervisor/faults.py`),
-# so the other learner trains throughout, and the tape attributes every detection and recovery to
-# the earliest fault it explains (`control/recovery.py`). Not a hang and then another fault: a hung
-# learner counts as up until the hang is detected, so the next fault must wait out the timeout's
-# ceiling (30 s). Merged so, hang_host and remove_node took 165 s in one suite run, against 70 s and
-# 59 s apart in another; kill_group and the corruptions 56 s, against 89 s and 59 s (clean
-# clones, 2 cores).
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)

@@ -45,11 +45,15 @@ def tiny(tmp_path: Path, name: str, *overrides: str) -> RunConfig:
 
 
 @pytest.mark.timeout(150)
-def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: Path) -> None:
+def test_synchronous_run_on_two_shards_reproduces_the_reference_run(
+    ray_local: Any, tmp_path: Path
+) -> None:
     # Budget: 20 steps per learner. Offers fall on steps 3, 6, ..., 18, 21: at the budget both
     # runs have merged exactly the rounds of steps <= 18 (a learner past step 19 has applied
-    # them; none of step 21 can close before every learner reports step 20).
-    cfg = tiny(tmp_path, "sync", "token_budget=5120")
+    # them; none of step 21 can close before every learner reports step 20). The synchronizer
+    # is sharded over two actors, each owning one fragment, against the reference run's one
+    # SynchronizerCore owning both (one shard against the reference: the two-host test below).
+    cfg = tiny(tmp_path, "sync", "token_budget=5120", "synchronizer.num_shards=2")
     from ray_diloco.runtime.driver import run_training
 
     points: list[dict[str, Any]] = []
@@ -67,13 +71,19 @@ def test_synchronous_run_reproduces_the_reference_run(ray_local: Any, tmp_path: 
     assert ray_run["bytes_up"] - ref["bytes_up"] in in_flight, (ray_run["bytes_up"], in_flight)
     assert ray_run["bytes_down"] == ref["bytes_down"]
     assert ray_run["ledger_violations"] == [] and ray_run["rejected"] == {}
+    # The ledger is exact: every learner's cursor in the books is the one it stopped at (a
+    # learner may take one step past the budget before the stop reaches it).
+    learners = ray_run["learners"].values()
+    assert all(a["tokens"] == a["final_cursor"] for a in learners), ray_run["learners"]
+    assert ray_run["tokens"] == sum(a["tokens"] for a in learners) >= cfg.token_budget
     run_dir = Path(cfg.run_dir)
+    for shard in ("synchronizer", "synchronizer-shard1"):  # each shard checkpoints its own
+        assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / shard).iterdir())
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 6
     assert json.loads((run_dir / "config.json").read_text())["diloco"]["mode"] == "synchronous"
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == len(points) > 0
     kinds = {json.loads(ln)["kind"] for ln in (run_dir / "events.jsonl").read_text().splitlines()}
     assert {"run_started", "learner_state_changed", "round_closed", "run_finished"} <= kinds
-    assert any(p.name.isdigit() for p in (run_dir / "checkpoints" / "synchronizer").iterdir())
     # Every learner's training curve: in the progress points and in TensorBoard's event files.
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["learners"]
     assert all(ls["loss"] > 0 and ls["lr"] > 0 and ls["tokens"] > 0 for ls in last.values())

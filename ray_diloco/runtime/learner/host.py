@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ray_diloco.algorithm.host_faults import HostFaults
 from ray_diloco.config import LearnerGroupConfig, RunConfig
 from ray_diloco.control.events import LearnerState, StopReason
 from ray_diloco.control.protocol import HostPing, HostStatus, Registration
@@ -74,6 +73,10 @@ class LearnerHost:
         self.loss: float | None = None
         self.metrics = Metrics.create(cfg.metrics.export_ray_metrics and host_index == 0, cfg.name)
         self._thread: threading.Thread | None = None
+        # Imported here: the supervisor imports this module to create the actor, and the
+        # chaos hooks' wire format loads ml_dtypes (0.7 s of a boot every run waits for).
+        from ray_diloco.algorithm.host_faults import HostFaults
+
         self.faults = HostFaults()  # chaos hooks: straggler, corrupted contributions
         self.channel: SyncChannel | None = None  # host 0's, once its loop runs
 

@@ -214,7 +214,9 @@ class Supervisor:
     # -- chaos targets (faults.Targets) -------------------------------------------------------
 
     def hosts(self, learner: str) -> list[HostRef] | None:
-        if self.control.watches[learner].state not in UP:
+        # Down too once Ray declared a host's node dead, before its silence is detected: a
+        # fault aimed at it then waits for the rebuilt group instead of failing on a dead node.
+        if self.control.watches[learner].state not in UP or self.health.node_lost(learner):
             return None
         return self.slots[learner].hosts()
 
