@@ -39,21 +39,20 @@ OWN_RAY = (
     "test_monitoring.py",
     "test_plan_emulated.py",
 )
-# The longest units, longest first (clean-clone suite runs, 2 cores, seconds of
-# one worker, per-test start and end times recorded in two runs): the shared-Ray modules 646-756
-# and test_faults 584-631 (one to each worker), test_scavenging 115-133 with
-# test_tpu_placement 46 (less the cluster start they now share), the quick benchmarks
-# 78 (their longest test alone took 141-195 s in four later suite runs, before goodput.py ran
-# under two failure schedules instead of three), the emulated plans 78, the job server 54,
-# monitoring 54. Every other unit follows in collection order.
+# The longest units, longest first (a clean-clone suite run, 2 cores, seconds of one worker from
+# per-test start and end times): the shared-Ray modules 542 and test_faults 388 (one to each
+# worker), the quick benchmarks 86, test_scavenging with test_tpu_placement 83 (the cluster start
+# they share included), monitoring 57, the embedded start 53, the emulated plans 36, the job
+# server 35. Every other unit follows in collection order.
 LONGEST_FIRST = (
     SHARED_RAY,
     "tests/chaos/test_faults.py",
-    SHARED_CLUSTER,
     "tests/unit/test_benchmarks.py",
+    SHARED_CLUSTER,
+    "tests/ray/test_monitoring.py",
+    "tests/ray/test_embedded_start.py",
     "tests/ray/test_plan_emulated.py",
     "tests/ray/test_job_server.py",
-    "tests/ray/test_monitoring.py",
 )
 
 
