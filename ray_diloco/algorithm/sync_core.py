@@ -1,15 +1,15 @@
 """Layer: algorithm (pure, no Ray). The synchronizer's state and work, without any transport.
 
 Holds the global value of every fragment it owns (all of them, or a shard's share: see
-`algorithm/shards.py`), the per-fragment outer optimizer state, the recent published versions
-(the bases learners' deltas are relative to), the round book and the token ledger; the core
-that `owns_data` (shard 0) hands out the data pool's leases, every core keeps the cursors the
-learners report. `offer` measures a contribution from its wire delta and the base it is
+`algorithm/shards.py`), the per-fragment outer optimizer state, the published versions that
+learners' deltas can still be relative to (`version_history.py`), the round book and the token
+ledger; the core that `owns_data` (shard 0) hands out the data pool's leases, every core keeps the
+cursors the learners report. `offer` measures a contribution from its wire delta and the base it is
 relative to, guards it and hands it to the round book still encoded; `poll` closes due rounds:
 token-weighted RDA merge read from the encoded offers a chunk at a time (`stream_merge.py`),
-Nesterov outer step, commit, and the value to publish (docs/algorithm.md sections 5 to 7). What
-it keeps per parameter is in docs/synchronizer-memory.md. The in-process reference run
-(`simulate.py`) and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
+Nesterov outer step, commit, and the value to publish (docs/algorithm.md sections 5 to 7). What it
+keeps per parameter is in docs/synchronizer-memory.md. The in-process reference run (`simulate.py`)
+and the Ray synchronizer actor both wrap this class, so they cannot drift apart.
 Its recovery after a restart (no merged round lost) lives in `sync_recovery.py`.
 """
 
@@ -35,6 +35,7 @@ from ray_diloco.algorithm.rounds import RoundBook
 from ray_diloco.algorithm.stream_merge import Streamed, arrival_norms, stream_outer_gradient
 from ray_diloco.algorithm.sync_recovery import Recoveries, Recovery, Values
 from ray_diloco.algorithm.variants import Variants, scaled
+from ray_diloco.algorithm.version_history import VersionHistory
 from ray_diloco.config import RunConfig
 
 # Refusals after which a learner of the current incarnation must adopt the newest version.
@@ -139,12 +140,7 @@ class SynchronizerCore:
         # the largest fragment's round takes.
         largest = max((plan.sizes[p] for p in self.owned), default=0)
         self.buffers = Buffers(limit_bytes=12 * largest)
-        # Version 0 is the shared initialisation every learner starts from, exactly.
-        self.published: dict[int, dict[int, Values]] = {p: {0: v} for p, v in self.values.items()}
-        # Per fragment, learner -> the oldest version its offers can still be based on (the
-        # one it adopted on registering, then that of its newest accepted offer: a learner's
-        # base only moves forward). Older published versions can be no base and are dropped.
-        self.bases: dict[int, dict[str, int]] = {p: {} for p in self.owned}
+        self.history = VersionHistory(self.values)
         self.down = Downstream(cfg.diloco, self.owned, self.buffers)
         self.bytes_up: dict[str, int] = {}
         self.bytes_down: dict[str, int] = {}
@@ -171,7 +167,7 @@ class SynchronizerCore:
         return self.recovery.provide(fragment, version, values)
 
     def finish_recovery(self, fragment: int) -> tuple[int, int]:
-        return self.recovery.finish(fragment, self.values, self.published)
+        return self.recovery.finish(fragment, self.values, self.history.published)
 
     # -- learners -----------------------------------------------------------------------------
 
@@ -190,8 +186,7 @@ class SynchronizerCore:
         versions = self.book.register(learner, incarnation, now, tokens_per_step)
         adopted = {p: v for p, (v, _) in self.snapshot().items()}
         self.down.adopted(learner, adopted)
-        for p, v in adopted.items():
-            self.bases[p][learner] = v
+        self.history.adopt(learner, adopted)
         if not self.owns_data:
             cursor = self.ledger.record_cursor(learner, 0 if held is None else held[2])
             return Admission(versions, [], 0, cursor)
@@ -208,17 +203,12 @@ class SynchronizerCore:
         pool (returned)."""
         self.book.leave(learner, now)
         self.down.left(learner)
-        for bases in self.bases.values():
-            bases.pop(learner, None)
+        self.history.leave(learner)
         return self.ledger.leave(learner) if self.owns_data else []
 
     def snapshot(self) -> dict[int, tuple[int, Values]]:
-        """The latest published version of every fragment: what a (re)joining learner adopts."""
-        out = {}
-        for p, hist in self.published.items():
-            v = max(hist)
-            out[p] = (v, hist[v])
-        return out
+        """The newest published version of every fragment: what a (re)joining learner adopts."""
+        return self.history.snapshot()
 
     def report(
         self, learner: str, incarnation: int, now: float, step_time_s: float | None, cursor: int
@@ -248,9 +238,8 @@ class SynchronizerCore:
             return self._reject(Verdict.RECOVERING, meta)
         if not _well_formed(delta, current):  # checked before anything decodes it
             return self._reject(Verdict.MALFORMED, meta)
-        hist = self.published[meta.fragment]
-        base = hist.get(meta.base_version)
-        if base is None:
+        based = self.history.base(meta.fragment, meta.base_version)
+        if based is None:
             if not merge.all_finite(wire.decode_tree(delta)):  # non-finite whatever its version
                 return self._reject(self.book.offer(meta, now, finite=False), meta)
             # A version no current learner can be based on is dropped: an offer on one comes
@@ -260,14 +249,13 @@ class SynchronizerCore:
                 return self._reject(fenced, meta)
             # Older than the history we keep (or from before a synchronizer restart): it cannot
             # be reconstructed, so it is fenced like any other too-stale contribution.
-            stale = meta.base_version < max(hist)
+            stale = meta.base_version < self.history.newest(meta.fragment)[0]
             return self._reject(Verdict.STALE_VERSION if stale else Verdict.FUTURE_VERSION, meta)
-        # A restore that fell back to an older value published it again under a fresh number
-        # (`finish_recovery` stores the same object under both): a learner still on the old
-        # number holds the newest value, so its contribution is judged from the newest number
-        # naming it, not as stale by the gap the rename left (the storm chaos run: every offer
-        # refused as stale for 10 s, no round closing). The history holds a handful of versions.
-        alias = max(v for v, values in hist.items() if values is base)
+        # A restore that fell back to an older value published it again under a fresh number: a
+        # learner still on the old number holds the newest value, so its contribution is judged
+        # from the newest number naming it, not as stale by the gap the rename left (the storm
+        # chaos run: every offer refused as stale for 10 s, no round closing).
+        alias, base = based
         if alias != meta.base_version:
             meta = replace(meta, base_version=alias)
         # Anchored at its base, a contribution is held as G + its own update: its outer
@@ -283,8 +271,7 @@ class SynchronizerCore:
         verdict = self.book.offer(meta, now, finite=finite, update_norm=norm, payload=held)
         if verdict is not Verdict.ACCEPTED:
             return self._reject(verdict, meta)
-        bases = self.bases[meta.fragment]
-        bases[meta.learner] = max(bases.get(meta.learner, 0), meta.base_version)
+        self.history.accepted(meta.fragment, meta.learner, meta.base_version)
         self._refused.pop(_work(meta), None)
         return verdict
 
@@ -360,16 +347,12 @@ class SynchronizerCore:
             reuse_grad=True,  # the merge's own arrays, not read after
             buffers=self.buffers,
         )
-        hist = dict(self.published[p])
         # What every learner holding the new version holds (downstream.py): contributions
         # based on it are rebuilt from exactly that.
-        hist[close.version], _ = self.down.publish(
-            p, close.version, values, hist.get(close.version - 1)
-        )
-        for v in [v for v in hist if v < close.version - d.max_staleness_versions]:
-            del hist[v]
-        # Swap whole objects so a concurrent reader sees the old or the new state, never a mix.
-        self.values[p], self.published[p] = values, hist
+        previous = self.history.published[p].get(close.version - 1)
+        q, _ = self.down.publish(p, close.version, values, previous)
+        self.history.add(p, close.version, q, d.max_staleness_versions)
+        self.values[p] = values  # a whole new dict: a concurrent reader sees old or new
         elapsed = time.perf_counter() - t0 if sync_time_s is None else sync_time_s
         return Publication(p, close.version, close, elapsed)
 
@@ -384,19 +367,12 @@ class SynchronizerCore:
         """Account the merged round. Returns the contributions dropped as late (`late_policy:
         drop`), counted as refused: refusals to record."""
         self.ledger.record_merge(pub.close)
-        self._drop_old_versions(pub.fragment)
+        # Under the lock that guards offers, which read the history.
+        self.history.drop_unreachable(pub.fragment)
         late = [e.meta for e in self.book.commit(pub.close, pub.sync_time_s, now)]
         for meta in late:
             self._reject(Verdict.LATE, meta)
         return late
-
-    def _drop_old_versions(self, p: int) -> None:
-        """Drop the published versions of `p` older than every learner's possible base (the
-        newest always stays). Under the lock that guards offers, which read the history."""
-        hist = self.published[p]
-        floor = min(min(self.bases[p].values(), default=max(hist)), max(hist))
-        if any(v < floor for v in hist):
-            self.published[p] = {v: q for v, q in hist.items() if v >= floor}
 
     def recipients(self, pub: Publication, learners: Iterable[str]) -> list[str]:
         """Which of `learners` (the live ones) get `pub` (`diloco.publish_to`)."""
@@ -408,7 +384,7 @@ class SynchronizerCore:
         """What each of `learners` (the recipients) is sent of `pub`, grouped by message:
         the new value, or the differences since the version it holds (`diloco.
         publish_delta`). Counts the bytes each is sent."""
-        q = self.published[pub.fragment][pub.version]
+        q = self.history.published[pub.fragment][pub.version]
         groups = self.down.messages(pub.fragment, pub.version, q, learners)
         for names, msgs in groups:
             for n in names:
@@ -426,11 +402,11 @@ class SynchronizerCore:
         if verdict not in CATCH_UP:
             return None
         d = self.cfg.diloco
-        hist = self.published[meta.fragment]
-        if d.publish_to == "all" and d.publish_delta == "none" and meta.base_version in hist:
+        held = self.history.holds(meta.fragment, meta.base_version)
+        if d.publish_to == "all" and d.publish_delta == "none" and held:
             return None
-        version = max(hist)
-        return self.down.catch_up(meta.fragment, version, hist[version], meta.learner)
+        version, value = self.history.newest(meta.fragment)
+        return self.down.catch_up(meta.fragment, version, value, meta.learner)
 
     def merged_shares(self) -> dict[str, float]:
         """Per learner: the share of the tokens it trained whose work reached the global value
@@ -471,7 +447,7 @@ class SynchronizerCore:
             "global": size(a for v in self.values.values() for a in v.values()),
             "momentum": size(a for s in self.outer_states.values() for a in s["trace"].values()),
             "versions": size(
-                a for h in self.published.values() for q in h.values() for a in q.values()
+                a for h in self.history.published.values() for q in h.values() for a in q.values()
             ),
             "differences": size(
                 b
@@ -497,7 +473,7 @@ class SynchronizerCore:
         return {
             "values": self.values,
             "outer_states": self.outer_states,
-            "published": {p: {max(hist): hist[max(hist)]} for p, hist in self.published.items()},
+            "published": {p: {v: q} for p, (v, q) in self.history.snapshot().items()},
             "book": self.book.state_dict(),
             "ledger": self.ledger.state_dict(),
             "bytes_up": dict(self.bytes_up),
@@ -510,7 +486,7 @@ class SynchronizerCore:
             for p, v in state["values"].items()
         }
         self.outer_states = {int(p): s for p, s in state["outer_states"].items()}
-        self.published = {
+        self.history.published = {
             int(p): {
                 int(v): kept(vals, self.down.full) if int(v) else vals for v, vals in h.items()
             }

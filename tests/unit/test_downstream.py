@@ -128,7 +128,7 @@ def test_learner_copies_equal_the_synchronizer_s_in_any_order(setup: Setup) -> N
     version, values = learner.held()[0]
     assert version == 3
     for k, v in values.items():
-        np.testing.assert_array_equal(v, sync.published[0][3][k])
+        np.testing.assert_array_equal(v, sync.history.published[0][3][k])
     assert learner.apply_received() == [0] and learner.base_version[0] == 3
     assert not learner.waiting[0]
 

@@ -34,7 +34,7 @@ def _offer(
 ) -> int:
     """`learner` trained from version `base` and moved every value of fragment 0 by `update`;
     the round closes unless `close` is false. Returns how many contributions it merged."""
-    delta = {k: np.full_like(v, update) for k, v in core.published[0][base].items()}
+    delta = {k: np.full_like(v, update) for k, v in core.history.published[0][base].items()}
     meta = ContributionMeta(learner, 0, 0, base, 4 * (base + 1), 4, 256)
     assert core.offer(meta, wire.encode_tree(delta, "float32"), now=now) is Verdict.ACCEPTED
     if not close:

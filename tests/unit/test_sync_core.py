@@ -35,7 +35,7 @@ def _offer(
 ) -> Verdict:
     """`learner` offers fragment 0 at inner step `step`, `steps` steps after it took `base`:
     theta = that version + `size`."""
-    leaves = core.published[0][base]
+    leaves = core.history.published[0][base]
     delta = {k: np.full(v.shape, size, np.float32) for k, v in leaves.items()}
     meta = ContributionMeta(learner, 0, 0, base, step, steps, steps * TOKENS_PER_STEP)
     return core.offer(meta, wire.encode_tree(delta, "float32"), now=now)
@@ -106,10 +106,10 @@ def test_a_learner_that_left_has_its_work_merged_and_its_data_returned() -> None
     assert _offer(core, "a", 0, 4, now=0.0) is Verdict.ACCEPTED
     leases = core.leave("a", now=0.5)
     assert sum(lease.size for lease in leases) > 0
-    assert core.bases[0] == {} and "a" not in core.book.live(now=0.5)
+    assert core.history.bases[0] == {} and "a" not in core.book.live(now=0.5)
     # no learner left to be based on any version: the round still merges, the newest stays
     assert [p.version for p in core.poll(now=0.6)] == [1]
-    assert list(core.published[0]) == [1]
+    assert list(core.history.published[0]) == [1]
     assert core.ledger.tokens_merged(0) == 4 * TOKENS_PER_STEP
 
 
@@ -120,14 +120,14 @@ def test_a_version_a_learner_is_still_based_on_is_kept() -> None:
     _offer(core, "a", 1, 8, now=1.0)
     core.poll(now=1.0)
     # b never left version 0: it stays, and b's work on it is taken
-    assert sorted(core.published[0]) == [0, 1, 2]
+    assert sorted(core.history.published[0]) == [0, 1, 2]
     assert _offer(core, "b", 0, 4, now=2.0) is Verdict.ACCEPTED
     core.poll(now=2.0)
-    assert 0 in core.published[0]
+    assert 0 in core.history.published[0]
     # once b's base moved on, version 0 goes; a's last offer was on version 1
     assert _offer(core, "b", 3, 8, now=3.0) is Verdict.ACCEPTED
     core.poll(now=3.0)
-    assert sorted(core.published[0]) == [1, 2, 3, 4]
+    assert sorted(core.history.published[0]) == [1, 2, 3, 4]
 
 
 def test_the_merge_keeps_the_virtual_clock_and_times_itself_otherwise() -> None:
@@ -170,8 +170,8 @@ def test_a_restore_before_any_round_keeps_version_0_exact() -> None:
     core = _core()
     restored = tiny_core(core.cfg)
     restored.load_state_dict(core.state_dict(), now=1.0)
-    for k, v in core.published[0][0].items():
-        kept = restored.published[0][0][k]
+    for k, v in core.history.published[0][0].items():
+        kept = restored.history.published[0][0][k]
         assert kept.dtype == np.float32
         np.testing.assert_array_equal(kept, v)
 
@@ -188,7 +188,7 @@ def test_a_leave_lets_the_round_it_held_back_reach_its_quorum_then() -> None:
 def test_a_learner_that_leaves_before_it_registered_changes_nothing() -> None:
     core = _core()
     assert core.leave("never-registered", now=1.0) == []
-    assert set(core.bases[0]) == {"a", "b"}
+    assert set(core.history.bases[0]) == {"a", "b"}
 
 
 def test_the_final_round_merges_work_short_of_the_quorum_and_counts_it_merged() -> None:

@@ -86,7 +86,7 @@ def test_learners_hand_back_every_round_since_the_checkpoint(setup: Setup, tmp_p
     assert core.offer(meta, {}, run.now) is Verdict.RECOVERING
     assert core.poll(run.now + 100.0) == []  # no round closes while recovering
     for p, (version, values) in run.core.snapshot().items():
-        older = run.core.published[p][version - 1]  # a learner one version behind
+        older = run.core.history.published[p][version - 1]  # a learner one version behind
         assert not core.provide(p, version - 1, older)
         assert core.provide(p, version, values)  # the newest logged: nothing newer can come
         assert core.finish_recovery(p) == (version, 0)
@@ -115,12 +115,12 @@ def test_without_learners_the_checkpoint_comes_back_under_a_fresh_number(
     core = run.restarted(checkpoint)
     ledger_at_checkpoint = _ledger(run.restarted(checkpoint))
     # One learner hands back version 2 (not the newest, 3): the rounds past it are lost.
-    assert not core.provide(0, 2, run.core.published[0][2])
+    assert not core.provide(0, 2, run.core.history.published[0][2])
     assert core.finish_recovery(0) == (2, 1)
     assert core.finish_recovery(1) == (1, 2)  # nobody: the checkpoint's value
     # Numbers that may exist somewhere are never reused: 4 names the same values as 2 (and 1).
     assert core.book.versions() == {0: 4, 1: 4}
-    for k, v in run.core.published[0][2].items():
+    for k, v in run.core.history.published[0][2].items():
         np.testing.assert_array_equal(core.snapshot()[0][1][k], v)
     # The ledger has fragment 0's round 2 and nothing past the adopted versions.
     merged = {n: a.merged for n, a in core.ledger.accounts.items()}
