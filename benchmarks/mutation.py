@@ -1,7 +1,8 @@
 """Mutation score of the method's core: mutmut changes one operator, constant or call at a time
 in `algorithm/merge.py`, `outer.py`, `rounds.py`, `sync_core.py` and `version_history.py`
 (`[tool.mutmut]` in pyproject.toml), runs the unit tests that reach the changed function, and a
-mutant the tests still pass "survived". The score is the share of mutants a test or the type checker caught.
+mutant the tests still pass "survived". The score is the share of mutants a test or the type
+checker caught.
 
 Every survivor has a verdict in `benchmarks/mutation_verdicts.json` (why it is equivalent, or
 which gap it shows), found by its function and the change it makes: mutmut numbers a
